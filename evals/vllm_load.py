@@ -1,0 +1,152 @@
+"""Do vLLM engines load and run what fp8-convert writes? One GPU call, every scheme and format.
+
+Builds a Qwen3-shaped random model, converts it with each scheme/format, starts vLLM on each (one
+subprocess per engine), greedy-generates from token ids, scores the prompt tokens against the BF16
+source in the same vLLM, and records the linear kernel vLLM selected. Also tries block FP8 on a model
+whose MLP width is not a multiple of 128, in our layout and in llm-compressor's (partial blocks).
+
+    python evals/vllm_load.py --prepare-odd DIR        # on CPU, with llm-compressor: odd model + its FP8_BLOCK
+    python evals/vllm_load.py --odd DIR --out evals/results/vllm_load.json   # on the GPU, with vLLM
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QWEN3_SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
+                   num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=1024)
+ODD_SHAPE = dict(hidden_size=512, intermediate_size=1392, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=64, vocab_size=2048, max_position_embeddings=1024)  # 1392 % 128 = 112
+PROMPTS = [[(i * 37 + j * 11) % 1900 + 50 for j in range(48)] for i in range(4)]
+# DeepGEMM / FlashInfer block GEMMs JIT-compile for minutes on a cold start; pin CUTLASS for the smoke test.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_DEEP_GEMM": "0",
+              "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"}
+
+
+def engine(path: str) -> dict:
+    """Runs inside the subprocess: load, generate, score prompts, report kernels."""
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(path, enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.25, skip_tokenizer_init=True,
+              enable_flashinfer_autotune=False, seed=0)
+    load_s = time.perf_counter() - t0
+
+    def kernels(model):
+        found = {}
+        for name, module in model.named_modules():
+            holder = getattr(module, "scheme", None) or getattr(module, "quant_method", None)
+            kernel = getattr(holder, "fp8_linear", None)
+            if kernel is not None:
+                found[type(holder).__name__] = type(kernel).__name__
+        return found
+
+    selected = llm.apply_model(kernels)[0]
+    params = SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    prompt_lp = [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs]
+    return {"load_s": load_s, "kernels": selected, "generated": [list(o.outputs[0].token_ids) for o in outs],
+            "prompt_logprobs": prompt_lp}
+
+
+def run_engine(path: Path) -> dict:
+    env = {**os.environ, **ENGINE_ENV}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--engine", str(path)], env=env, capture_output=True,
+                              text=True, timeout=150)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": ["engine did not finish within 150 s"]}
+    log = proc.stdout + proc.stderr
+    result = {"ok": proc.returncode == 0, "wall_s": round(time.perf_counter() - t0, 1),
+              "selected_log": sorted(set(re.findall(r"Selected (\w+) for (\w+)", log)))}
+    if proc.returncode == 0:
+        result.update(json.loads(log.split("@@RESULT@@")[1]))
+    else:
+        result["error"] = [l for l in log.splitlines() if "Error" in l or "error" in l][-3:]
+    return result
+
+
+def prepare_odd(directory: Path) -> None:
+    import torch
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    from fp8kit.models import build_checkpoint
+
+    src = build_checkpoint(directory / "src", "qwen3", torch.bfloat16, seed=0, **ODD_SHAPE)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="FP8_BLOCK", ignore=["lm_head"]))
+    model.save_pretrained(directory / "llmc-block", save_compressed=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine")
+    ap.add_argument("--out", default=str(ROOT / "evals/results/vllm_load.json"))
+    ap.add_argument("--odd", help="directory made by --prepare-odd")
+    ap.add_argument("--prepare-odd", help="write the odd-MLP model and llm-compressor's FP8_BLOCK of it here")
+    args = ap.parse_args()
+    if args.prepare_odd:
+        prepare_odd(Path(args.prepare_odd))
+        return
+    if args.engine:
+        print("@@RESULT@@" + json.dumps(engine(args.engine)) + "@@RESULT@@")
+        return
+
+    import torch
+    import vllm
+
+    from fp8kit import convert
+    from fp8kit.models import build_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="vllm-load-"))
+    src = build_checkpoint(work / "qwen3", "qwen3", torch.bfloat16, seed=0, **QWEN3_SHAPE)
+    variants = {"bf16": src}
+    for scheme, fmt in [("dynamic", "compressed-tensors"), ("block", "compressed-tensors"),
+                        ("tensor", "compressed-tensors"), ("block", "fp8"), ("tensor", "fp8")]:
+        variants[f"{scheme}/{fmt}"] = Path(convert(src, work / f"{scheme}-{fmt}", scheme=scheme, format=fmt).out)
+    if args.odd:
+        odd = Path(args.odd)
+        variants["bf16-odd"] = odd / "src"
+        variants["block/compressed-tensors odd-mlp (ours: MLP kept bf16)"] = Path(
+            convert(odd / "src", work / "odd-block", scheme="block").out)
+        variants["block/compressed-tensors odd-mlp (llm-compressor: partial blocks)"] = odd / "llmc-block"
+
+    results = {}
+    for name, path in variants.items():
+        results[name] = run_engine(path)
+        print(name, {k: v for k, v in results[name].items() if k not in ("generated", "prompt_logprobs")}, flush=True)
+    for name, r in results.items():  # prompt-token logprob drift against the matching BF16 engine
+        base = results["bf16-odd" if "odd" in name else "bf16"]
+        if r.get("ok") and base.get("ok") and name not in ("bf16", "bf16-odd"):
+            diffs = [abs(a - b) for pa, pb in zip(r["prompt_logprobs"], base["prompt_logprobs"]) for a, b in zip(pa, pb)]
+            r["prompt_logprob_mean_abs_diff_vs_bf16"] = sum(diffs) / len(diffs)
+            r["greedy_tokens_equal_bf16"] = r["generated"] == base["generated"]
+    for r in results.values():
+        r.pop("prompt_logprobs", None)
+    report = {
+        "gpu": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
+        "python": platform.python_version(), "model": {"arch": "Qwen3ForCausalLM (random weights)", **QWEN3_SHAPE},
+        "engine": {"enforce_eager": True, "env": ENGINE_ENV}, "command": " ".join(sys.argv), "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "generated"} for k, v in results.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""FP8 weight schemes as data, and the one quantization formula they share.
+
+The arithmetic copies compressed-tensors (`calculate_qparams` and `_quantize` in
+compressed_tensors/quantization, 0.19): scale = amax / 448 in the scale dtype, zero scales replaced
+by that dtype's eps, q = clamp(w / scale, -448, 448) cast to float8_e4m3fn (round to nearest even).
+Doing the division in the same dtype as llm-compressor is what makes our bytes equal to its bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    weight_strategy: str  # compressed-tensors QuantizationStrategy: channel | block | tensor
+    activation_strategy: str  # token | group | tensor (always dynamic)
+    activation_group_size: int | None = None
+    block: tuple[int, int] | None = None
+
+    def scale_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:
+        out_features, in_features = shape
+        if self.weight_strategy == "channel":
+            return (out_features, 1)
+        if self.weight_strategy == "block":
+            return (-(-out_features // self.block[0]), -(-in_features // self.block[1]))
+        return (1,)
+
+    def supports(self, shape: tuple[int, int]) -> bool:
+        """Block kernels (vLLM's and transformers') need whole 128x128 blocks."""
+        if self.block is None:
+            return True
+        return shape[0] % self.block[0] == 0 and shape[1] % self.block[1] == 0
+
+    @property
+    def row_multiple(self) -> int:
+        """Rows that must stay together when a weight is processed in row chunks."""
+        return self.block[0] if self.block else 1
+
+
+SCHEMES: dict[str, Scheme] = {
+    "dynamic": Scheme("dynamic", "channel", "token"),
+    "block": Scheme("block", "block", "group", activation_group_size=BLOCK, block=(BLOCK, BLOCK)),
+    "tensor": Scheme("tensor", "tensor", "tensor"),
+}
+
+
+def amax(w: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """Largest magnitude per scale group, in w's dtype (exact: max does not round)."""
+    if scheme.weight_strategy == "channel":
+        return w.abs().amax(dim=1, keepdim=True)
+    if scheme.weight_strategy == "block":
+        r, c = scheme.block
+        rows, cols = w.shape
+        return w.abs().reshape(rows // r, r, cols // c, c).amax(dim=(1, 3))
+    return w.abs().amax().reshape(1)
+
+
+def scale_from_amax(amax_: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    scale = amax_.to(scale_dtype) / FP8_MAX
+    eps = torch.finfo(scale_dtype).eps
+    return torch.where(scale == 0, torch.tensor(eps, dtype=scale_dtype, device=scale.device), scale)
+
+
+def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    w = w.to(scale.dtype)
+    if scheme.weight_strategy == "block":
+        r, c = scheme.block
+        rows, cols = w.shape
+        blocks = w.reshape(rows // r, r, cols // c, c) / scale[:, None, :, None]
+        scaled = blocks.reshape(rows, cols)
+    else:
+        scaled = w / scale
+    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_weight(w: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a whole 2-D weight; returns (float8 weight, scale of scheme.scale_shape)."""
+    scale = scale_from_amax(amax(w, scheme), scale_dtype)
+    return quantize_with_scale(w, scale, scheme), scale
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, scheme: Scheme, dtype=torch.float32) -> torch.Tensor:
+    q = q.to(dtype)
+    scale = scale.to(dtype)
+    if scheme.weight_strategy == "block":
+        r, c = scheme.block
+        scale = scale.repeat_interleave(r, 0)[: q.shape[0]].repeat_interleave(c, 1)[:, : q.shape[1]]
+    return q * scale

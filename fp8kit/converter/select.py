@@ -1,0 +1,113 @@
+"""Which weights become FP8, decided from tensor names and shapes alone.
+
+No model is built: a name-based rule works for architectures transformers does not know yet and costs
+nothing. The rule follows what serving engines expect of FP8 checkpoints (llm-compressor's recipes,
+Qwen's and DeepSeek's FP8 uploads): Linear weights inside decoder blocks are quantized; embeddings,
+lm_head, norms, biases, MoE routers and vision/audio parts stay in source precision.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from fp8kit.converter.safetensors_io import TensorInfo
+from fp8kit.converter.schemes import Scheme
+from fp8kit.errors import Fp8kitError
+
+SOURCE_DTYPES = {"F32", "F16", "BF16"}
+DECODER_BLOCK = re.compile(r"(^|\.)(layers|h|blocks|block)\.\d+\.")
+NOT_LANGUAGE = re.compile(r"(^|\.)(vision|visual|vision_tower|vision_model|audio|audio_tower|audio_model|speech|"
+                          r"multi_modal_projector|mm_projector|image_newline|vqmodel|mtp)(\.|_|$)")
+ROUTERS = {"gate", "router", "shared_expert_gate"}
+# Modules that serving engines fuse into one GEMM (qkv_proj, gate_up_proj): one status for all of them.
+SIBLINGS = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("query", "key", "value")]
+QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "weight_packed", "weight_zero_point",
+                  "qweight", "qzeros", "weight_global_scale")
+
+
+@dataclass
+class Selection:
+    quantize: list[str] = field(default_factory=list)  # module names (tensor name without ".weight")
+    keep: list[str] = field(default_factory=list)  # 2-D non-embedding weights left in source precision
+    warnings: list[str] = field(default_factory=list)
+
+
+def natural_key(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def check_not_quantized(tensors: dict[str, TensorInfo]) -> None:
+    for info in tensors.values():
+        if info.dtype.startswith("F8") or info.name.rsplit(".", 1)[-1] in QUANT_SUFFIXES:
+            raise Fp8kitError(f"{info.path}: tensor {info.name!r} ({info.dtype}) shows the checkpoint is already "
+                              f"quantized; convert the original BF16/FP16/FP32 checkpoint instead")
+
+
+def _is_candidate(module: str) -> bool:
+    if not DECODER_BLOCK.search(module) or NOT_LANGUAGE.search(module):
+        return False
+    parts = DECODER_BLOCK.split(module)[-1].split(".")
+    return not any(p in ROUTERS or "embed" in p or "norm" in p for p in parts)
+
+
+def _sibling_group(module: str) -> tuple[str, int] | None:
+    parent, _, leaf = module.rpartition(".")
+    for i, group in enumerate(SIBLINGS):
+        if leaf in group:
+            return parent, i
+    return None
+
+
+def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str]) -> Selection:
+    patterns = [re.compile(p[3:] if p.startswith("re:") else p) for p in ignore]
+    sel = Selection()
+    wanted: dict[str, bool] = {}
+    reason: dict[str, str] = {}
+    for name in sorted(tensors, key=natural_key):
+        info = tensors[name]
+        if not name.endswith(".weight"):
+            continue
+        module = name[: -len(".weight")]
+        if len(info.shape) != 2:
+            if len(info.shape) == 3 and _is_candidate(module) and not any(p.search(module) for p in patterns):
+                raise Fp8kitError(f"{info.path}: tensor {name!r} is a fused 3-D expert tensor {list(info.shape)}; "
+                                  f"fp8-convert quantizes per-expert 2-D weights only: save the checkpoint with "
+                                  f"per-expert tensors, or pass --ignore '{re.escape(module)}' to keep it as is")
+            continue
+        if not _is_candidate(module):
+            if not any("embed" in p for p in module.split(".")) and module.split(".")[-1] not in ("wte", "wpe"):
+                sel.keep.append(module)
+            continue
+        if info.dtype not in SOURCE_DTYPES:
+            raise Fp8kitError(f"{info.path}: tensor {name!r} has dtype {info.dtype}; fp8-convert reads F32, F16 "
+                              f"and BF16 weights: save the checkpoint in one of those")
+        if any(p.search(module) for p in patterns):
+            wanted[module], reason[module] = False, "--ignore"
+        elif not scheme.supports(info.shape):
+            wanted[module], reason[module] = False, "shape"
+        else:
+            wanted[module] = True
+    # Fused siblings share one status: if one member stays in source precision, all do.
+    groups: dict[tuple[str, int], list[str]] = {}
+    for module in wanted:
+        key = _sibling_group(module)
+        if key is not None:
+            groups.setdefault(key, []).append(module)
+    for members in groups.values():
+        if not all(wanted[m] for m in members):
+            for m in members:
+                if wanted[m]:
+                    wanted[m], reason[m] = False, "sibling"
+    by_shape = [m for m in wanted if reason.get(m) in ("shape", "sibling")]
+    if by_shape:
+        sel.warnings.append(
+            f"{len(by_shape)} weights kept in source precision because block FP8 needs both dimensions to be "
+            f"multiples of 128 (or a fused sibling's do): {', '.join(by_shape[:4])}{' ...' if len(by_shape) > 4 else ''}")
+    for module, q in wanted.items():
+        (sel.quantize if q else sel.keep).append(module)
+    if not sel.quantize:
+        raise Fp8kitError("no weights to quantize: no 2-D Linear weights inside decoder layers "
+                          "(model.layers.N...) were found or all were ignored")
+    sel.keep.sort(key=natural_key)
+    return sel

@@ -1,0 +1,122 @@
+"""Find a checkpoint's files: a local directory, or a Hub repo id fetched into the normal HF cache."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from fp8kit.converter.safetensors_io import TensorInfo, read_header
+from fp8kit.errors import Fp8kitError
+
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+WEIGHT_SUFFIXES = (".safetensors", ".msgpack", ".h5", ".gguf") + PICKLE_SUFFIXES
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+# Everything a model repo holds that is not a weight file; weights other than safetensors never download.
+HUB_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py", "*.md", "LICENSE*",
+                "*.yaml", "*.vocab", "*merges*"]
+
+
+def resolve(src: str | Path) -> Path:
+    """A local directory as is; `org/name[@revision]` through huggingface_hub (HF_HUB_OFFLINE=1 uses the cache)."""
+    path = Path(src).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise Fp8kitError(f"{path}: SRC must be a checkpoint directory (with config.json and *.safetensors)")
+        return path
+    text = str(src)
+    if not REPO_ID.match(text) or text.startswith((".", "/", "~")):
+        raise Fp8kitError(f"{src}: no such directory, and not a Hub repo id of the form org/name[@revision]")
+    repo_id, _, revision = text.partition("@")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    try:
+        # Offline, a commit-hash revision must also be looked up in the cache only (huggingface_hub would
+        # otherwise try to list the commit's files online).
+        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=HUB_PATTERNS,
+                                      local_files_only=constants.HF_HUB_OFFLINE))
+    except GatedRepoError as e:
+        raise Fp8kitError(f"{repo_id}: gated repo; accept its terms on the Hub and log in (hf auth login)") from e
+    except RepositoryNotFoundError as e:
+        raise Fp8kitError(f"{repo_id}: repo not found on the Hub (or private: log in with hf auth login)") from e
+    except RevisionNotFoundError as e:
+        raise Fp8kitError(f"{repo_id}: revision {revision!r} not found on the Hub") from e
+    except LocalEntryNotFoundError as e:
+        raise Fp8kitError(f"{repo_id}: not in the local HF cache and the Hub cannot be reached (HF_HUB_OFFLINE set, "
+                          f"or no network); download it first or unset HF_HUB_OFFLINE") from e
+    except OSError as e:  # network failures surface as requests/httpx errors deriving from OSError
+        raise Fp8kitError(f"{repo_id}: download failed ({e.__class__.__name__}); check the network or use a local copy") from e
+
+
+def load_config(src: Path) -> dict:
+    path = src / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise Fp8kitError(f"{path}: missing; SRC must be a Hugging Face checkpoint directory") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Fp8kitError(f"{path}: unreadable or not JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise Fp8kitError(f"{path}: not a JSON object")
+    for key in ("quantization_config", "compression_config"):
+        if key in config:
+            method = (config[key] or {}).get("quant_method", "unknown")
+            raise Fp8kitError(f"{path}: checkpoint is already quantized (quant_method {method}); convert the original "
+                              f"BF16/FP16/FP32 checkpoint instead")
+    return config
+
+
+def weight_files(src: Path) -> list[Path]:
+    index = src / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise Fp8kitError(f"{index}: unreadable or has no weight_map; re-download it") from e
+        files = sorted({src / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise Fp8kitError(f"{index}: names shard {f.name}, which is missing; re-download the checkpoint")
+        return files
+    files = sorted(p for p in src.glob("*.safetensors") if p.is_file())
+    if len(files) > 1:  # Mistral repos hold consolidated.safetensors beside the HF-format shards
+        files = [p for p in files if not p.name.startswith("consolidated")] or files
+    if not files:
+        pickles = sorted(p.name for p in src.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise Fp8kitError(f"{src}: only pickle weights ({', '.join(pickles[:3])}); fp8-convert never unpickles "
+                              f"model files: save the model as safetensors first (save_pretrained(safe_serialization=True))")
+        raise Fp8kitError(f"{src}: no *.safetensors weights found")
+    return files
+
+
+def read_tensors(src: Path) -> dict[str, TensorInfo]:
+    """Every tensor of the checkpoint by name, its headers checked against the file sizes."""
+    tensors: dict[str, TensorInfo] = {}
+    for path in weight_files(src):
+        found, _ = read_header(path)
+        for name, info in found.items():
+            if name in tensors:
+                raise Fp8kitError(f"{path}: tensor {name!r} also appears in {tensors[name].path.name}")
+            tensors[name] = info
+    index = src / INDEX_NAME
+    if index.exists():
+        for name, shard in json.loads(index.read_text())["weight_map"].items():
+            info = tensors.get(name)
+            if info is None or info.path.name != Path(shard).name:
+                raise Fp8kitError(f"{index}: names tensor {name!r} in {shard}, which does not contain it; "
+                                  f"re-download the checkpoint")
+    return tensors
+
+
+def is_weight_file(path: Path) -> bool:
+    return path.name == INDEX_NAME or path.suffix in WEIGHT_SUFFIXES or path.name.endswith(".safetensors.index.json")
+
+
+def extra_files(src: Path) -> list[Path]:
+    """Tokenizer, generation config, chat template, license, processor configs...: copied as they are."""
+    return sorted(p for p in src.iterdir()
+                  if p.is_file() and not p.name.startswith(".") and p.name != "config.json" and not is_weight_file(p))

@@ -1,0 +1,341 @@
+"""`convert()`: stream a checkpoint into FP8 safetensors, a bounded piece at a time.
+
+Each shard's header is laid out from shapes first; weights are then read in row chunks of at most
+CHUNK_BYTES (as float32), quantized and written at their final offsets. Peak memory is therefore a few
+chunks whatever the model or shard size. Output is assembled in OUT.partial and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import resource
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from fp8kit.converter import source
+from fp8kit.converter.formats import FORMATS, quantization_config, scale_name
+from fp8kit.converter.safetensors_io import (DTYPES, ITEMSIZE, OutTensor, TensorInfo, layout,
+                                             read_bytes, to_tensor, write_all)
+from fp8kit.converter.schemes import SCHEMES, Scheme, amax, quantize_with_scale, scale_from_amax
+from fp8kit.converter.select import check_not_quantized, natural_key, select
+from fp8kit.errors import Fp8kitError
+
+CHUNK_BYTES = 16 << 20  # float32 working set of one quantization piece
+COPY_BYTES = 8 << 20  # one piece of a tensor copied as it is
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+
+@dataclass
+class ConvertReport:
+    src: str
+    out: str
+    scheme: str
+    format: str
+    device: str
+    quantized: list[str]
+    ignored: list[str]
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    peak_rss_bytes: int
+    peak_gpu_bytes: int | None
+    files: list[str]
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_size(size: str | int) -> int:
+    """'5GB' -> 5e9 and '5GiB' -> 5*2**30, as transformers' save_pretrained reads max_shard_size."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", size.upper().replace("IB", "iB"), re.I)
+    if not m:
+        raise Fp8kitError(f"--max-shard-size {size!r}: expected a size such as 5GB, 500MB or 2GiB")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** "_KMGT".index(m.group(2) or "_"))
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark. VmHWM, where Linux has it: ru_maxrss also counts the
+    peak of a parent this process was forked from before exec."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise Fp8kitError("--device cuda: no CUDA device is available; use --device cpu or auto")
+    if device not in ("cpu", "cuda"):
+        raise Fp8kitError(f"--device {device!r}: expected auto, cpu or cuda")
+    return torch.device(device)
+
+
+@dataclass
+class Job:
+    """One source tensor and the output tensors it becomes."""
+
+    info: TensorInfo
+    outputs: list[OutTensor]
+    quantize: bool
+
+
+def _plan(tensors: dict[str, TensorInfo], quantize: set[str], scheme: Scheme, fmt: str) -> list[Job]:
+    jobs = []
+    for name in sorted(tensors, key=natural_key):
+        info = tensors[name]
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if module in quantize:
+            scale_dtype = "F32" if fmt == "fp8" else info.dtype
+            outputs = [OutTensor(name, "F8_E4M3", info.shape),
+                       OutTensor(f"{module}.{scale_name(scheme, fmt)}", scale_dtype, scheme.scale_shape(info.shape))]
+            jobs.append(Job(info, outputs, True))
+        else:
+            jobs.append(Job(info, [OutTensor(name, info.dtype, info.shape)], False))
+    return jobs
+
+
+def _shard(jobs: list[Job], max_bytes: int) -> list[list[Job]]:
+    shards: list[list[Job]] = [[]]
+    size = 0
+    for job in jobs:
+        n = sum(t.nbytes for t in job.outputs)
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(job)
+        size += n
+    return shards
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().to("cpu").contiguous().view(torch.uint8).numpy())
+
+
+def _check_finite(values: torch.Tensor, info: TensorInfo) -> None:
+    if not bool(torch.isfinite(values).all()):
+        raise Fp8kitError(f"{info.path}: tensor {info.name!r} contains NaN or Inf; fix the source weights")
+
+
+class _Writer:
+    """pwrite()s from a background thread, so that disk writes overlap reading and quantizing.
+
+    The queue is short: at most `depth` chunks wait, which bounds the memory this adds."""
+
+    def __init__(self, fd: int, depth: int = 2):
+        self.fd = fd
+        self.queue: queue.Queue = queue.Queue(depth)
+        self.error: OSError | None = None
+        self.thread = threading.Thread(target=self._run, name="fp8kit-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    write_all(self.fd, *item)
+                except OSError as e:
+                    self.error = e
+
+    def put(self, data, offset: int) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put((data, offset))
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+class _Inputs:
+    """Source files opened once each."""
+
+    def __init__(self):
+        self.fds: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
+
+    def close(self):
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _copy(job: Job, inputs: _Inputs, out_file: _Writer, base: int, tick) -> None:
+    info, out = job.info, job.outputs[0]
+    for pos in range(0, info.nbytes, COPY_BYTES):
+        n = min(COPY_BYTES, info.nbytes - pos)
+        buf = read_bytes(inputs.fd(info.path), info.start + pos, n, info.path)
+        if info.dtype in FLOAT_DTYPES:
+            _check_finite(torch.frombuffer(buf, dtype=DTYPES[info.dtype]), info)
+        out_file.put(buf, base + out.offset + pos)
+        tick(n)
+
+
+def _quantize(job: Job, inputs: _Inputs, out_file: _Writer, base: int, scheme: Scheme, device: torch.device, tick) -> None:
+    info = job.info
+    weight, scale_out = job.outputs
+    scale_dtype = DTYPES[scale_out.dtype]
+    rows, cols = info.shape
+    row_bytes = cols * ITEMSIZE[info.dtype]
+    step = max(scheme.row_multiple, CHUNK_BYTES // (cols * 4) // scheme.row_multiple * scheme.row_multiple)
+    chunks = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+
+    def load(r0: int, r1: int) -> torch.Tensor:
+        buf = read_bytes(inputs.fd(info.path), info.start + r0 * row_bytes, (r1 - r0) * row_bytes, info.path)
+        return to_tensor(buf, info.dtype, (r1 - r0, cols)).to(device)
+
+    held = None
+    scale = None
+    if scheme.weight_strategy == "tensor":  # one scale: a first pass finds the global amax
+        peak = None
+        for r0, r1 in chunks:
+            w = load(r0, r1)
+            a = amax(w, scheme)
+            _check_finite(a, info)
+            peak = a if peak is None else torch.maximum(peak, a)
+            held = w if len(chunks) == 1 else None
+        scale = scale_from_amax(peak, scale_dtype)
+        out_file.put(_as_bytes(scale), base + scale_out.offset)
+    scale_row_bytes = ITEMSIZE[scale_out.dtype] * (scale_out.shape[1] if len(scale_out.shape) == 2 else 0)
+    for r0, r1 in chunks:
+        w = held if held is not None else load(r0, r1)
+        if scale is None or scheme.weight_strategy != "tensor":
+            a = amax(w, scheme)
+            _check_finite(a, info)
+            s = scale_from_amax(a, scale_dtype)
+            out_file.put(_as_bytes(s), base + scale_out.offset + (r0 // scheme.row_multiple) * scale_row_bytes)
+        else:
+            s = scale
+        q = quantize_with_scale(w, s, scheme)
+        out_file.put(_as_bytes(q), base + weight.offset + r0 * cols)
+        tick((r1 - r0) * row_bytes)
+
+
+def _write_shard(path: Path, jobs: list[Job], inputs: _Inputs, scheme: Scheme, device: torch.device, tick) -> None:
+    header = layout([t for job in jobs for t in job.outputs])
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    writer = _Writer(fd)
+    try:
+        writer.put(header, 0)
+        for job in jobs:
+            if job.quantize:
+                _quantize(job, inputs, writer, len(header), scheme, device, tick)
+            else:
+                _copy(job, inputs, writer, len(header), tick)
+    finally:
+        try:
+            writer.close()
+        finally:
+            os.close(fd)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynamic",
+            format: str = "compressed-tensors", ignore: list[str] | tuple[str, ...] = (), device: str = "auto",
+            max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False) -> ConvertReport:
+    """Convert a BF16/FP16/FP32 safetensors checkpoint (directory or Hub id) into an FP8 checkpoint at OUT."""
+    start = time.perf_counter()
+    if scheme not in SCHEMES:
+        raise Fp8kitError(f"--scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
+    if format not in FORMATS:
+        raise Fp8kitError(f"--format {format!r}: expected one of {', '.join(FORMATS)}")
+    if format == "fp8" and scheme == "dynamic":
+        raise Fp8kitError("--format fp8 has no per-channel layout; use --scheme block or tensor, or the "
+                          "compressed-tensors format for dynamic")
+    for pattern in ignore:
+        try:
+            re.compile(pattern[3:] if pattern.startswith("re:") else pattern)
+        except re.error as e:
+            raise Fp8kitError(f"--ignore {pattern!r}: not a regular expression ({e})") from e
+    spec = SCHEMES[scheme]
+    shard_bytes = parse_size(max_shard_size)
+    out = Path(out).expanduser().absolute()
+    if out.exists() and not overwrite:
+        raise Fp8kitError(f"{out}: already exists; pass --overwrite to replace it")
+    dev = resolve_device(device)
+    src_path = source.resolve(src)
+    if out == src_path.absolute() or src_path.absolute() in out.parents:
+        raise Fp8kitError(f"{out}: OUT must not be SRC or lie inside it")
+    config = source.load_config(src_path)
+    tensors = source.read_tensors(src_path)
+    check_not_quantized(tensors)
+    sel = select(tensors, spec, list(ignore))
+    jobs = _plan(tensors, set(sel.quantize), spec, format)
+    shards = _shard(jobs, shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    config["quantization_config"] = quantization_config(spec, format, sel.keep)
+    bytes_in = sum(info.nbytes for info in tensors.values())
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    inputs = _Inputs()
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=bytes_in, unit="B", unit_scale=True, unit_divisor=1024, desc=f"fp8-convert {scheme}",
+               disable=not progress, leave=False)
+    try:
+        partial.mkdir(parents=True)
+        for name, shard in zip(names, shards):
+            try:
+                _write_shard(partial / name, shard, inputs, spec, dev, bar.update)
+            except OSError as e:
+                raise Fp8kitError(f"{out / name}: cannot write ({e.strerror}); free disk space or choose another OUT") from e
+        if len(shards) > 1:
+            weight_map = {t.name: name for name, shard in zip(names, shards) for job in shard for t in job.outputs}
+            total = sum(t.nbytes for job in jobs for t in job.outputs)
+            _write_json(partial / source.INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _write_json(partial / "config.json", config)
+        for extra in source.extra_files(src_path):
+            shutil.copyfile(extra, partial / extra.name)
+        if out.exists():
+            old = out.with_name(out.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+            partial.rename(out)
+            shutil.rmtree(old)
+        else:
+            partial.rename(out)
+    except OSError as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise Fp8kitError(f"{out}: cannot write ({e.strerror}); free disk space or choose another OUT") from e
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+        inputs.close()
+
+    files = sorted(p.name for p in out.iterdir())
+    return ConvertReport(
+        src=str(src), out=str(out), scheme=scheme, format=format, device=str(dev),
+        quantized=sel.quantize, ignored=config["quantization_config"].get("ignore",
+                                                                           config["quantization_config"].get("ignored_layers")),
+        bytes_in=bytes_in, bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
+        peak_rss_bytes=peak_rss_bytes(),
+        peak_gpu_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+        files=files, warnings=sel.warnings)

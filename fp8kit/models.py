@@ -1,0 +1,39 @@
+"""Seeded random-weight checkpoints built from transformers configs, for the demo, tests and benchmarks.
+
+No weights can be downloaded where fp8kit is tested, so every model it is checked on is made here:
+real architectures (the same tensor names and shapes as the Hub uploads), random values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_COMMON = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+
+# arch -> (config class, model class, tiny defaults)
+ARCHS: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_COMMON, head_dim=64, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, tie_word_embeddings=False)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_COMMON, head_dim=64, sliding_window=64)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(_COMMON, head_dim=64, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                       decoder_sparse_step=1, mlp_only_layers=[])),
+}
+
+
+def build_checkpoint(path: str | Path, arch: str = "llama", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                     max_shard_size: str = "5GB", **overrides) -> Path:
+    """Write a random-weight `arch` model (transformers' own init, seeded) as safetensors to `path`."""
+    import transformers
+
+    config_cls, model_cls, defaults = ARCHS[arch]
+    config = getattr(transformers, config_cls)(**{**defaults, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(dtype)
+    path = Path(path)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    return path

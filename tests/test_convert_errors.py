@@ -1,0 +1,187 @@
+"""Bad input: one clear line naming the file or tensor, a non-zero exit, and nothing left at OUT."""
+
+import json
+import os
+import resource
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from fp8kit.cli import fp8_convert
+from fp8kit.models import build_checkpoint
+
+
+def run_cli(*args):
+    result = CliRunner().invoke(fp8_convert, [str(a) for a in args])
+    return result.exit_code, result.stderr
+
+
+def assert_clean_failure(code, err, out, *needles):
+    assert code != 0
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+
+
+@pytest.fixture
+def src(tmp_path, llama_dir):
+    path = tmp_path / "src"
+    shutil.copytree(llama_dir, path)
+    return path
+
+
+def test_missing_src(tmp_path):
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(tmp_path / "nope", out, "--scheme", "dynamic"), out, "nope", "no such directory")
+
+
+def test_pickle_only_is_refused_without_unpickling(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    # A pickle that would create a file if it were ever unpickled.
+    marker = tmp_path / "unpickled"
+    payload = (b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR.")
+    (src / "pytorch_model.bin").write_bytes(payload)
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "pytorch_model.bin", "never unpickles")
+    assert not marker.exists()
+
+
+def test_truncated_shard(src, tmp_path):
+    path = src / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "model.safetensors", "truncated")
+
+
+def test_corrupt_header(src, tmp_path):
+    path = src / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:20] = b"not json!!!!"
+    path.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "block"), out, "model.safetensors", "corrupt")
+
+
+def test_index_names_missing_shard_and_missing_tensor(src, tmp_path):
+    out = tmp_path / "out"
+    index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "model-00002-of-00002.safetensors", "missing")
+    index["weight_map"] = {"model.norm.weight": "model.safetensors", "model.layers.9.mlp.up_proj.weight": "model.safetensors"}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "model.layers.9.mlp.up_proj.weight")
+
+
+def test_already_quantized(llama_dir, tmp_path):
+    fp8 = tmp_path / "fp8"
+    assert run_cli(llama_dir, fp8, "--scheme", "dynamic")[0] == 0
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(fp8, out, "--scheme", "dynamic"), out, "config.json", "already quantized")
+    config = json.loads((fp8 / "config.json").read_text())
+    del config["quantization_config"]
+    (fp8 / "config.json").write_text(json.dumps(config))
+    assert_clean_failure(*run_cli(fp8, out, "--scheme", "dynamic"), out, "already quantized", "model.layers.0.mlp.down_proj.weight")
+
+
+def test_nan_in_weight(src, tmp_path):
+    from safetensors.torch import load_file
+
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "model.layers.1.mlp.down_proj.weight", "NaN")
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = 0.0
+    tensors["model.norm.weight"][0] = float("inf")  # kept tensors are checked too
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    assert_clean_failure(*run_cli(src, out, "--scheme", "tensor"), out, "model.norm.weight", "Inf")
+
+
+def test_unsupported_dtype(src, tmp_path):
+    from safetensors.torch import load_file
+
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.weight"] = tensors["model.layers.0.self_attn.o_proj.weight"].double()
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "model.layers.0.self_attn.o_proj.weight", "F64")
+
+
+def test_fused_3d_experts_refused(tmp_path):
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=0)
+    from safetensors.torch import load_file
+
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.0.mlp.experts.gate_up_proj.weight"] = torch.zeros(4, 256, 128, dtype=torch.bfloat16)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "experts.gate_up_proj.weight", "3-D")
+    code, err = run_cli(src, out, "--scheme", "dynamic", "--ignore", r"experts\.gate_up_proj")
+    assert code == 0, err
+
+
+def test_existing_out_needs_overwrite(llama_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, err = run_cli(llama_dir, out, "--scheme", "dynamic")
+    assert code != 0 and "--overwrite" in err and (out / "keep.txt").exists()
+    code, err = run_cli(llama_dir, out, "--scheme", "dynamic", "--overwrite")
+    assert code == 0, err
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+
+
+def test_bad_options(llama_dir, tmp_path):
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--format", "fp8"), out, "--format fp8")
+    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--ignore", "("), out, "--ignore")
+    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--max-shard-size", "lots"), out, "lots")
+
+
+def cli_process(*args, preexec_fn=None):
+    code = "from fp8kit.cli import fp8_convert; fp8_convert()"
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+
+
+def test_disk_full_while_writing(llama_dir, tmp_path):
+    """A file-size limit makes the write fail part-way, as a full disk does (EFBIG instead of ENOSPC)."""
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (500_000, 500_000))
+
+    out = tmp_path / "out"
+    proc = cli_process(llama_dir, out, "--scheme", "dynamic", preexec_fn=limit)
+    _, err = proc.communicate(timeout=120)
+    assert_clean_failure(proc.returncode, err, out, "model.safetensors", "cannot write")
+
+
+def test_interrupt_removes_partial_output(tmp_path):
+    src = build_checkpoint(tmp_path / "src", "llama", torch.float32, seed=0, hidden_size=1024,
+                           intermediate_size=4096, num_hidden_layers=6, vocab_size=1024)
+    out = tmp_path / "out"
+    proc = cli_process(src, out, "--scheme", "tensor")
+    partial = out.with_name("out.partial")
+    deadline = time.time() + 60
+    while not partial.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGSTOP)  # hold it mid-conversion, then interrupt
+    assert partial.exists(), "conversion finished before it could be interrupted"
+    os.kill(proc.pid, signal.SIGINT)
+    os.kill(proc.pid, signal.SIGCONT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "interrupted" in err
+    assert not out.exists() and not partial.exists()

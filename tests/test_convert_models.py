@@ -1,0 +1,132 @@
+"""End to end on each architecture: what is quantized, what is kept, and that transformers loads it."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fp8kit import convert
+from fp8kit.models import build_checkpoint
+from fp8kit.quality import load_causal_lm, logit_drift, weight_error
+
+KL_BOUND = 5e-3  # mean per-token KL (nats) on random-weight models; llm-compressor's output measures ~1e-3
+
+
+def tensors(directory):
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                out[name] = f.get_slice(name).get_dtype()
+    return out
+
+
+def drift(src, out):
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return logit_drift(load_causal_lm(src)(input_ids=ids).logits, load_causal_lm(out)(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen3", torch.bfloat16),
+                                        ("mistral", torch.float16), ("gemma3", torch.bfloat16)])
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+def test_dense_architectures(tmp_path, arch, dtype, scheme):
+    src = build_checkpoint(tmp_path / "src", arch, dtype, seed=3)
+    report = convert(src, tmp_path / "out", scheme=scheme)
+    names = tensors(tmp_path / "out")
+    scale_dtype = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+    for name, dt in names.items():
+        if name.endswith("_proj.weight") and ".layers." in name:
+            assert dt == "F8_E4M3", name
+            assert names[name[: -len("weight")] + "weight_scale"] == scale_dtype
+        elif not name.endswith("weight_scale"):
+            assert dt == scale_dtype, name  # embeddings, norms, lm_head: source precision
+    assert len(report.quantized) == 7 * 2
+    assert "lm_head" in report.ignored
+    result = drift(src, tmp_path / "out")
+    assert 0 < result["kl"] < KL_BOUND, result
+    assert weight_error(src, tmp_path / "out") < 0.04
+
+
+def test_moe_experts_per_expert_router_kept(tmp_path):
+    src = build_checkpoint(tmp_path / "src", "qwen3_moe", torch.bfloat16, seed=4)
+    report = convert(src, tmp_path / "out", scheme="block")
+    names = tensors(tmp_path / "out")
+    assert names["model.layers.0.mlp.experts.3.down_proj.weight"] == "F8_E4M3"
+    assert names["model.layers.0.mlp.experts.3.down_proj.weight_scale"] == "BF16"
+    assert names["model.layers.0.mlp.gate.weight"] == "BF16"  # the router
+    assert "model.layers.0.mlp.gate" in report.ignored
+    assert len(report.quantized) == 2 * (4 + 4 * 3)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "model.layers.1.mlp.gate" in config["quantization_config"]["ignore"]
+
+
+def test_block_leaves_non_multiple_of_128_layers(odd_llama_dir, tmp_path):
+    report = convert(odd_llama_dir, tmp_path / "out", scheme="block")
+    names = tensors(tmp_path / "out")
+    assert names["model.layers.0.mlp.gate_proj.weight"] == "BF16"
+    assert names["model.layers.0.mlp.down_proj.weight"] == "BF16"
+    assert names["model.layers.0.self_attn.q_proj.weight"] == "F8_E4M3"
+    ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert {"model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj", "lm_head"} <= set(ignore)
+    assert report.warnings and "multiples of 128" in report.warnings[0]
+    assert drift(odd_llama_dir, tmp_path / "out")["kl"] < KL_BOUND
+    # per-channel has no such constraint
+    convert(odd_llama_dir, tmp_path / "dyn", scheme="dynamic")
+    assert tensors(tmp_path / "dyn")["model.layers.0.mlp.gate_proj.weight"] == "F8_E4M3"
+
+
+def test_ignore_keeps_fused_siblings_together(llama_dir, tmp_path):
+    report = convert(llama_dir, tmp_path / "out", scheme="dynamic", ignore=[r"layers\.0\.self_attn\.k_proj"])
+    for leaf in ("q_proj", "k_proj", "v_proj"):
+        assert f"model.layers.0.self_attn.{leaf}" in report.ignored
+    assert "model.layers.0.self_attn.o_proj" in report.quantized
+    assert "model.layers.1.self_attn.k_proj" in report.quantized
+
+
+def test_fp8_format_block(llama_dir, tmp_path):
+    convert(llama_dir, tmp_path / "out", scheme="block", format="fp8")
+    names = tensors(tmp_path / "out")
+    assert names["model.layers.0.mlp.up_proj.weight_scale_inv"] == "F32"
+    assert "model.layers.0.mlp.up_proj.weight_scale" not in names
+    q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert q == {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
+                 "ignored_layers": ["lm_head"], "modules_to_not_convert": ["lm_head"]}
+    assert drift(llama_dir, tmp_path / "out")["kl"] < KL_BOUND  # transformers' FineGrainedFP8 loader
+
+
+def test_fp8_format_tensor(llama_dir, tmp_path):
+    convert(llama_dir, tmp_path / "out", scheme="tensor", format="fp8")
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        scale = f.get_tensor("model.layers.0.mlp.up_proj.weight_scale")
+    assert scale.dtype == torch.float32 and scale.numel() == 1
+    q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert "weight_block_size" not in q and q["quant_method"] == "fp8"
+
+
+def test_shards_index_and_determinism(llama_dir, tmp_path):
+    convert(llama_dir, tmp_path / "a", scheme="dynamic", max_shard_size="400KB")
+    convert(llama_dir, tmp_path / "b", scheme="dynamic", max_shard_size="400KB")
+    shards = sorted(p.name for p in (tmp_path / "a").glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    assert set(index["weight_map"]) == set(tensors(tmp_path / "a"))
+    for path in (tmp_path / "a").iterdir():
+        assert path.read_bytes() == (tmp_path / "b" / path.name).read_bytes(), path.name
+    assert drift(llama_dir, tmp_path / "a")["kl"] < KL_BOUND
+
+
+def test_sharded_source_and_extra_files(tmp_path):
+    src = build_checkpoint(tmp_path / "src", "qwen3", torch.bfloat16, seed=5, max_shard_size="300KB")
+    assert (src / "model.safetensors.index.json").exists()
+    (src / "tokenizer.json").write_text("{}")
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    (src / "pytorch_model.bin").write_bytes(b"not copied")
+    convert(src, tmp_path / "out", scheme="dynamic")
+    out = tmp_path / "out"
+    assert (out / "tokenizer.json").read_text() == "{}"
+    assert (out / "chat_template.jinja").exists() and (out / "generation_config.json").exists()
+    assert not (out / "pytorch_model.bin").exists()
+    assert drift(src, out)["kl"] < KL_BOUND

@@ -1,0 +1,57 @@
+"""Which tensors become FP8, from names and shapes alone (multimodal and MoE layouts of real uploads)."""
+
+from pathlib import Path
+
+import pytest
+
+from fp8kit.converter.safetensors_io import TensorInfo
+from fp8kit.converter.schemes import SCHEMES
+from fp8kit.converter.select import select
+from fp8kit.errors import Fp8kitError
+
+
+def infos(shapes):
+    return {n: TensorInfo(n, "BF16", s, Path("model.safetensors"), 0, 0) for n, s in shapes.items()}
+
+
+def test_vision_tower_router_and_embeddings_are_kept():
+    t = infos({
+        "model.language_model.embed_tokens.weight": (1024, 256),
+        "model.language_model.layers.0.self_attn.q_proj.weight": (256, 256),
+        "model.language_model.layers.0.self_attn.k_proj.weight": (128, 256),
+        "model.language_model.layers.0.self_attn.v_proj.weight": (128, 256),
+        "model.language_model.layers.0.mlp.gate.weight": (8, 256),
+        "model.language_model.layers.0.mlp.shared_expert_gate.weight": (1, 256),
+        "model.language_model.layers.0.mlp.experts.0.up_proj.weight": (128, 256),
+        "model.language_model.layers.0.input_layernorm.weight": (256,),
+        "model.language_model.layers.0.self_attn.q_norm.weight": (64,),
+        "model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight": (128, 128),
+        "model.visual.blocks.0.attn.qkv.weight": (384, 128),
+        "model.multi_modal_projector.linear_1.weight": (256, 128),
+        "lm_head.weight": (1024, 256),
+    })
+    sel = select(t, SCHEMES["block"], [])
+    assert set(sel.quantize) == {"model.language_model.layers.0.self_attn.q_proj",
+                                 "model.language_model.layers.0.self_attn.k_proj",
+                                 "model.language_model.layers.0.self_attn.v_proj",
+                                 "model.language_model.layers.0.mlp.experts.0.up_proj"}
+    assert set(sel.keep) == {
+        "lm_head", "model.language_model.layers.0.mlp.gate", "model.language_model.layers.0.mlp.shared_expert_gate",
+        "model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj", "model.visual.blocks.0.attn.qkv",
+        "model.multi_modal_projector.linear_1"}
+
+
+def test_block_shape_rule_spreads_to_fused_siblings():
+    t = infos({"model.layers.0.self_attn.q_proj.weight": (256, 256),
+               "model.layers.0.self_attn.k_proj.weight": (64, 256),  # not a multiple of 128
+               "model.layers.0.self_attn.v_proj.weight": (64, 256),
+               "model.layers.0.self_attn.o_proj.weight": (256, 256)})
+    sel = select(t, SCHEMES["block"], [])
+    assert sel.quantize == ["model.layers.0.self_attn.o_proj"]
+    assert "multiples of 128" in sel.warnings[0]
+    assert select(t, SCHEMES["dynamic"], []).keep == []
+
+
+def test_nothing_to_quantize_is_an_error():
+    with pytest.raises(Fp8kitError, match="no weights to quantize"):
+        select(infos({"model.embed_tokens.weight": (10, 4)}), SCHEMES["dynamic"], [])
