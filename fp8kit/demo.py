@@ -6,6 +6,8 @@ transformers, and the table shows what each costs in size and accuracy.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +23,8 @@ VARIANTS = [("dynamic", "compressed-tensors"), ("block", "compressed-tensors"), 
 
 
 def run_demo(workdir: Path | None = None, seed: int = 0) -> list[dict]:
-    with tempfile.TemporaryDirectory(prefix="fp8kit-demo-") as tmp:
+    # transformers' and compressed-tensors' progress bars (on stderr) would bury the table
+    with tempfile.TemporaryDirectory(prefix="fp8kit-demo-") as tmp, contextlib.redirect_stderr(io.StringIO()):
         root = Path(workdir or tmp)
         src = build_checkpoint(root / "tiny-llama", "llama", torch.bfloat16, seed=seed, hidden_size=512,
                                intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,

@@ -6,6 +6,8 @@ real architectures (the same tensor names and shapes as the Hub uploads), random
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 
 import torch
@@ -35,5 +37,6 @@ def build_checkpoint(path: str | Path, arch: str = "llama", dtype: torch.dtype =
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(dtype)
     path = Path(path)
-    model.save_pretrained(path, max_shard_size=max_shard_size)
+    with contextlib.redirect_stderr(io.StringIO()):  # transformers' "Writing model shards" bar
+        model.save_pretrained(path, max_shard_size=max_shard_size)
     return path

@@ -64,7 +64,9 @@ def amax(w: torch.Tensor, scheme: Scheme) -> torch.Tensor:
 
 
 def scale_from_amax(amax_: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
-    scale = amax_.to(scale_dtype) / FP8_MAX
+    # Divide by a tensor, as compressed-tensors does: CUDA turns division by a Python scalar into
+    # multiplication by its (inexact) reciprocal, which would make GPU and CPU scales differ.
+    scale = amax_.to(scale_dtype) / torch.tensor(FP8_MAX, dtype=scale_dtype, device=amax_.device)
     eps = torch.finfo(scale_dtype).eps
     return torch.where(scale == 0, torch.tensor(eps, dtype=scale_dtype, device=scale.device), scale)
 
