@@ -73,3 +73,79 @@ def demo(seed):
 
 
 main.add_command(fp8_convert)
+
+
+@main.command("resolve")
+@click.argument("name")
+@click.option("--scheme", type=click.Choice(["auto", "dynamic", "block", "tensor"]), default="auto", show_default=True,
+              help="auto: dynamic where this machine has row-wise FP8 GEMMs (SM89+), else block.")
+@click.option("--json", "as_json", is_flag=True)
+def resolve_cmd(name, scheme, as_json):
+    """Which FP8 weights NAME gets: a pre-quantized upload, or the conversion that will run."""
+    from fp8kit.registry import resolve
+
+    try:
+        answer = resolve(name, scheme)
+    except Fp8kitError as e:
+        _fail(str(e))
+    if as_json:
+        click.echo(json.dumps(answer.to_dict(), indent=2))
+    elif answer.repo_id:
+        click.echo(f"{answer.repo_id}  ({answer.variant_scheme}, {answer.format}; from the {answer.source}, "
+                   f"answering {answer.scheme})")
+    else:
+        click.echo(f"no upload for {name} ({answer.scheme}); will convert and cache:\n  {answer.convert_command}")
+
+
+@main.group()
+def registry():
+    """The catalog of pre-quantized FP8 uploads (shipped, plus your overlay)."""
+
+
+@registry.command("list")
+@click.option("--family", default=None, help="Only this family (e.g. qwen3, llama-3.1, gemma-3).")
+@click.option("--json", "as_json", is_flag=True)
+def registry_list(family, as_json):
+    from fp8kit.registry import load
+
+    try:
+        variants = [v for v in load() if family is None or v.family == family]
+    except Fp8kitError as e:
+        _fail(str(e))
+    if as_json:
+        click.echo(json.dumps([v.to_dict() for v in variants], indent=2))
+        return
+    for v in variants:
+        click.echo(f"{v.repo_id:<56} {v.family:<18} {v.scheme:<8} {v.format:<19} {v.base[0]}"
+                   + ("  [overlay]" if v.source == "overlay" else ""))
+
+
+@main.group()
+def cache():
+    """Conversions fp8kit made and cached (FP8KIT_CACHE, default ~/.cache/fp8kit)."""
+
+
+@cache.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def cache_list(as_json):
+    from fp8kit.registry.cache import list_entries
+
+    rows = list_entries()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        click.echo(f"{r['name']:<40} {r['scheme']:<8} {r['bytes'] / 1e9:7.2f} GB  {'ok' if r['ok'] else 'BROKEN'}  {r['path']}")
+
+
+@cache.command("rm")
+@click.argument("name", required=False)
+@click.option("--all", "remove_all", is_flag=True, help="Remove every cached conversion.")
+def cache_rm(name, remove_all):
+    """Remove the cached conversions of NAME (or --all)."""
+    from fp8kit.registry.cache import remove
+
+    if bool(name) == remove_all:
+        _fail("give a model NAME or --all", 2)
+    for path in remove(None if remove_all else name):
+        click.echo(f"removed {path}")

@@ -1,0 +1,133 @@
+"""`ensure()`: a local FP8 copy of a model, downloaded or converted once and reused.
+
+Conversions are cached under FP8KIT_CACHE (default ~/.cache/fp8kit) as
+`{org}--{name}/{source commit}/{scheme}-{format}-fp8kit{version}/`. A file lock makes concurrent callers
+convert once (the others wait); an entry counts only once its completion marker is written, and is
+rebuilt when its files no longer match the marker.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from fp8kit.converter import source
+from fp8kit.converter.safetensors_io import read_header
+from fp8kit.errors import Fp8kitError
+from fp8kit.registry.resolution import entry_name, resolve
+
+MARKER = "fp8kit-entry.json"
+LOG = "conversions.log"
+
+
+def cache_root() -> Path:
+    if os.environ.get("FP8KIT_CACHE"):
+        return Path(os.environ["FP8KIT_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fp8kit"
+
+
+def model_dir(name: str) -> Path:
+    path = Path(name).expanduser()
+    if path.is_dir():  # a local checkpoint: keyed by its absolute path
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+        return cache_root() / f"local--{path.resolve().name}-{digest}"
+    return cache_root() / name.replace("/", "--")
+
+
+def _source_commit(src: Path) -> str:
+    """The Hub commit of a snapshot in the HF cache; for a local directory, a digest of its files' names,
+    sizes and modification times (a changed checkpoint gets a new entry)."""
+    if src.parent.name == "snapshots":
+        return src.name
+    h = hashlib.sha256()
+    for p in sorted(src.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return "local-" + h.hexdigest()[:16]
+
+
+def known_commit(name: str) -> str | None:
+    """The source commit, where it is known without the network: a local directory's digest, or the
+    HF cache's record of the Hub repo's main branch."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return _source_commit(path)
+    from huggingface_hub import constants
+
+    ref = Path(constants.HF_HUB_CACHE) / f"models--{name.replace('/', '--')}" / "refs" / "main"
+    try:
+        return ref.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def verify(entry: Path) -> bool:
+    """The marker exists and every file it lists is there with its size and a readable safetensors header."""
+    try:
+        files = json.loads((entry / MARKER).read_text())["files"]
+        for name, size in files.items():
+            path = entry / name
+            if path.stat().st_size != size:
+                return False
+            if name.endswith(".safetensors"):
+                read_header(path)
+        return True
+    except (OSError, KeyError, TypeError, ValueError, Fp8kitError):
+        return False
+
+
+def ensure(name: str, scheme: str = "auto") -> Path:
+    """A local directory holding `name` in FP8: the catalog's upload (downloaded with huggingface_hub, or
+    from the HF cache offline), else our conversion, made once and cached."""
+    answer = resolve(name, scheme)
+    if answer.repo_id is not None:
+        return source.resolve(answer.repo_id)
+    src = source.resolve(name)
+    entry = model_dir(name) / _source_commit(src) / entry_name(answer.scheme)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(entry.parent / (entry.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here while the first converts
+        if verify(entry):
+            return entry
+        from fp8kit.converter import convert
+
+        report = convert(src, entry, scheme=answer.scheme, overwrite=True)
+        marker = {"name": name, "source": str(src), "scheme": answer.scheme, "format": answer.format,
+                  "files": {p.name: p.stat().st_size for p in sorted(entry.iterdir())},
+                  "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": report.seconds}
+        tmp = entry / (MARKER + ".tmp")
+        tmp.write_text(json.dumps(marker, indent=2) + "\n")
+        tmp.rename(entry / MARKER)
+        with open(cache_root() / LOG, "a") as log:
+            log.write(f"{marker['converted_at']} {name} {answer.scheme} -> {entry}\n")
+    return entry
+
+
+def list_entries() -> list[dict]:
+    root = cache_root()
+    rows = []
+    for marker in sorted(root.glob(f"*/*/*/{MARKER}")):
+        entry = marker.parent
+        size = sum(p.stat().st_size for p in entry.iterdir() if p.is_file())
+        info = json.loads(marker.read_text())
+        rows.append({"name": info.get("name"), "scheme": info.get("scheme"), "format": info.get("format"),
+                     "commit": entry.parent.name, "path": str(entry), "bytes": size, "ok": verify(entry)})
+    return rows
+
+
+def remove(name: str | None = None) -> list[Path]:
+    """Delete the cached conversions of `name` (all of them when None)."""
+    root = cache_root()
+    targets = [model_dir(name)] if name else [p for p in root.iterdir() if p.is_dir()] if root.exists() else []
+    removed = []
+    for target in targets:
+        if target.exists():
+            shutil.rmtree(target)
+            removed.append(target)
+    return removed

@@ -1,0 +1,78 @@
+"""Base model name + requested scheme -> a pre-quantized upload, or the conversion that will be run.
+
+Identity, never similarity: a name matches a variant only if it is the variant's repo id or one of its
+listed base names (case-insensitively). A wrong answer, another model's weights, is worse than a
+conversion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from fp8kit.registry import catalog
+from fp8kit.registry.catalog import Variant
+
+REQUESTS = ("auto", "dynamic", "block", "tensor")
+
+
+@dataclass(frozen=True)
+class Resolution:
+    name: str
+    scheme: str  # the scheme the request resolved to (auto decided for this machine)
+    repo_id: str | None  # the upload to use, or None when a conversion is needed
+    format: str
+    source: str  # catalog | overlay | convert
+    family: str | None = None
+    variant_scheme: str | None = None  # how the upload is quantized (Qwen's block uploads serve dynamic too)
+    convert_command: str | None = None
+    cache_dir: str | None = None  # where the conversion will be cached
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def has_rowwise_fp8() -> bool:
+    """Row-wise (per-channel) FP8 GEMMs need SM89+ (Ada, Hopper, Blackwell)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def resolve_scheme(scheme: str) -> str:
+    if scheme not in REQUESTS:
+        from fp8kit.errors import Fp8kitError
+
+        raise Fp8kitError(f"--scheme {scheme!r}: expected one of {', '.join(REQUESTS)}")
+    if scheme == "auto":
+        return "dynamic" if has_rowwise_fp8() else "block"
+    return scheme
+
+
+def _answer(name: str, scheme: str, variant: Variant) -> Resolution:
+    return Resolution(name=name, scheme=scheme, repo_id=variant.repo_id, format=variant.format,
+                      source=variant.source, family=variant.family, variant_scheme=variant.scheme)
+
+
+def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = None) -> Resolution:
+    from fp8kit.registry.cache import known_commit, model_dir
+
+    scheme = resolve_scheme(scheme)
+    variants = catalog.load() if variants is None else variants
+    key = name.strip().lower()
+    for v in variants:
+        if v.repo_id.lower() == key:  # already a variant: it is its own answer
+            return _answer(v.repo_id, v.scheme if v.scheme in REQUESTS else scheme, v)
+    matches = [v for v in variants if key in (b.lower() for b in v.base)]
+    for v in matches:
+        if scheme in v.serves:
+            return _answer(name, scheme, v)
+    cache = model_dir(name) / (known_commit(name) or "<commit of main, fetched at conversion>") / entry_name(scheme)
+    return Resolution(name=name, scheme=scheme, repo_id=None, format="compressed-tensors", source="convert",
+                      family=matches[0].family if matches else None,
+                      convert_command=f"fp8-convert {name} {cache} --scheme {scheme}", cache_dir=str(cache))
+
+
+def entry_name(scheme: str, fmt: str = "compressed-tensors") -> str:
+    from fp8kit import __version__
+
+    return f"{scheme}-{fmt}-fp8kit{__version__}"

@@ -1,0 +1,206 @@
+"""Registry: catalog resolution, near names, overlay, and ensure() against a locally built HF cache."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from fp8kit.cli import main
+from fp8kit.errors import Fp8kitError
+from fp8kit.registry import catalog, load, resolve
+from fp8kit.registry import resolution as resolve_module
+from fp8kit.registry.catalog import Variant
+
+COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP8KIT_REGISTRY", str(tmp_path / "overlay.toml"))
+    monkeypatch.setenv("FP8KIT_CACHE", str(tmp_path / "fp8cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+
+
+def test_every_catalog_entry_resolves_to_itself_and_from_its_bases():
+    variants = load()
+    assert len(variants) == 40
+    repos = {v.repo_id: v for v in variants}
+    for v in variants:
+        assert resolve(v.repo_id, "auto", variants).repo_id == v.repo_id
+        assert resolve(v.repo_id.upper(), "dynamic", variants).repo_id == v.repo_id
+        for base in v.base:
+            for scheme in ("dynamic", "block"):
+                answer = resolve(base.lower(), scheme, variants)
+                servers = [w for w in variants if base in w.base and scheme in w.serves]
+                if servers:
+                    assert answer.repo_id in {w.repo_id for w in servers}
+                    assert base in repos[answer.repo_id].base  # never another model's weights
+                else:
+                    assert answer.repo_id is None and answer.source == "convert"
+
+
+@pytest.mark.parametrize("name,scheme,expected", [
+    ("Qwen/Qwen3-8B", "dynamic", "unsloth/Qwen3-8B-FP8"),
+    ("unsloth/Qwen3-8B", "block", "unsloth/Qwen3-8B-FP8"),
+    ("meta-llama/Meta-Llama-3.1-8B-Instruct", "dynamic", "unsloth/Llama-3.1-8B-Instruct-FP8-Dynamic"),
+    ("unsloth/Meta-Llama-3.1-8B-Instruct", "block", "unsloth/Llama-3.1-8B-Instruct-FP8-Block"),
+    ("meta-llama/llama-3.2-1b", "block", "unsloth/Llama-3.2-1B-FP8-Block"),
+    ("google/gemma-3-270m-it", "dynamic", "unsloth/gemma-3-270m-it-FP8-Dynamic"),
+    ("Qwen/Qwen3-30B-A3B-Thinking-2507", "dynamic", "unsloth/Qwen3-30B-A3B-Thinking-2507-FP8"),
+    ("Qwen/Qwen3-VL-8B-Instruct", "block", "unsloth/Qwen3-VL-8B-Instruct-FP8"),
+    ("ibm-granite/granite-4.0-h-small", "dynamic", "unsloth/granite-4.0-h-small-FP8-Dynamic"),
+    ("mistralai/Magistral-Small-2509", "dynamic", "unsloth/Magistral-Small-2509-FP8-Dynamic"),
+])
+def test_known_models(name, scheme, expected):
+    answer = resolve(name, scheme)
+    assert answer.repo_id == expected and answer.source == "catalog"
+
+
+@pytest.mark.parametrize("name", [
+    "Qwen/Qwen3-8B-Base", "Qwen/Qwen3-9B", "Qwen/Qwen3-8", "Qwen/Qwen3-8B-Instruct", "Qwen/Qwen3-8b-instrcut",
+    "meta-llama/Llama-3.1-8B-Instruct-v2", "meta-llama/Llama-3.1-405B-Instruct", "meta-llama/Llama-3.2-1B-Instruct-Base",
+    "Qwen3-8B", "unsloth/Qwen3-8B-FP8-Dynamic", "google/gemma-3-4b-pt", "someone/Qwen3-8B",
+])
+def test_near_names_never_borrow_a_variant(name):
+    answer = resolve(name, "dynamic")
+    assert answer.repo_id is None and answer.source == "convert"
+    assert answer.convert_command.startswith(f"fp8-convert {name} ") and "--scheme dynamic" in answer.convert_command
+
+
+def test_scheme_without_upload_converts():
+    assert resolve("google/gemma-3-4b-it", "block").source == "convert"  # gemma uploads are dynamic only
+    assert resolve("Qwen/Qwen3-8B", "tensor").source == "convert"
+
+
+def test_auto_follows_the_machine(monkeypatch):
+    monkeypatch.setattr(resolve_module, "has_rowwise_fp8", lambda: True)
+    assert resolve("meta-llama/Llama-3.2-3B", "auto").repo_id == "unsloth/Llama-3.2-3B-FP8-Dynamic"
+    monkeypatch.setattr(resolve_module, "has_rowwise_fp8", lambda: False)
+    assert resolve("meta-llama/Llama-3.2-3B", "auto").repo_id == "unsloth/Llama-3.2-3B-FP8-Block"
+
+
+def test_overlay_takes_precedence(tmp_path):
+    overlay = tmp_path / "overlay.toml"
+    overlay.write_text('''# mine
+[[variant]]
+repo_id = "me/Qwen3-8B-FP8-Dynamic"
+family = "qwen3"
+scheme = "dynamic"
+format = "compressed-tensors"
+serves = ["dynamic"]
+base = ["Qwen/Qwen3-8B"]
+
+[[variant]]
+repo_id = "unsloth/Llama-3.2-1B-FP8-Block"
+family = "llama-3.2"
+scheme = "block"
+format = "fp8"
+serves = ["block"]
+base = ["meta-llama/Llama-3.2-1B"]
+''')
+    answer = resolve("Qwen/Qwen3-8B", "dynamic")
+    assert (answer.repo_id, answer.source) == ("me/Qwen3-8B-FP8-Dynamic", "overlay")
+    assert resolve("Qwen/Qwen3-8B", "block").repo_id == "unsloth/Qwen3-8B-FP8"  # the catalog still serves block
+    replaced = resolve("meta-llama/Llama-3.2-1B", "block")
+    assert (replaced.format, replaced.source) == ("fp8", "overlay")
+    assert sum(v.repo_id == "unsloth/Llama-3.2-1B-FP8-Block" for v in load()) == 1
+    catalog.append_to_overlay(Variant("me/gemma-3-4b-it-FP8-Block", "gemma-3", "block", "compressed-tensors",
+                                      ("block",), ("google/gemma-3-4b-it",), "overlay"))
+    assert resolve("google/gemma-3-4b-it", "block").repo_id == "me/gemma-3-4b-it-FP8-Block"
+    assert overlay.read_text().startswith("# mine")
+
+
+@pytest.mark.parametrize("text,line,needle", [
+    ('[[variant]]\nrepo_id = "a/b"\nfamily = x\n', 3, "not valid TOML"),
+    ('\n[[variant]]\nrepo_id = "a/b"\nfamily = "f"\nscheme = "dynamic"\nformat = "fp8"\nserves = ["dynamic"]\n'
+     'base = ["c/d"]\n\n[[variant]]\nrepo_id = "a/c"\nfamily = "f"\nscheme = "int4"\nformat = "fp8"\n'
+     'serves = ["dynamic"]\nbase = ["c/d"]\n', 10, "scheme 'int4'"),
+    ('[[variant]]\nrepo_id = "a/b"\nfamily = "f"\nscheme = "dynamic"\nformat = "fp8"\nserves = ["dynamic"]\n', 1,
+     "missing 'base'"),
+])
+def test_bad_overlay_names_file_and_line(tmp_path, text, line, needle):
+    overlay = tmp_path / "overlay.toml"
+    overlay.write_text(text)
+    with pytest.raises(Fp8kitError) as e:
+        load()
+    assert str(overlay) in str(e.value) and needle in str(e.value)
+    assert f"line {line}" in str(e.value) or f"{overlay}:{line}:" in str(e.value)
+    result = CliRunner().invoke(main, ["resolve", "Qwen/Qwen3-8B"])
+    assert result.exit_code == 1 and str(overlay) in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_cli_resolve_json():
+    result = CliRunner().invoke(main, ["resolve", "Qwen/Qwen3-4B", "--scheme", "block", "--json"])
+    data = json.loads(result.stdout)
+    assert {k: data[k] for k in ("name", "scheme", "repo_id", "format", "source")} == {
+        "name": "Qwen/Qwen3-4B", "scheme": "block", "repo_id": "unsloth/Qwen3-4B-FP8", "format": "fp8",
+        "source": "catalog"}
+    result = CliRunner().invoke(main, ["registry", "list", "--family", "gemma-3", "--json"])
+    assert [v["repo_id"] for v in json.loads(result.stdout)] == [
+        f"unsloth/gemma-3-{s}-it-FP8-Dynamic" for s in ("270m", "1b", "4b", "12b", "27b")]
+
+
+def cached_repo(hub, repo_id, src_dir):
+    repo = hub / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(src_dir, repo / "snapshots" / COMMIT)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+
+
+ENSURE = "import sys; from fp8kit.registry import ensure; print(ensure(sys.argv[1], sys.argv[2]))"
+
+
+def ensure_proc(tmp_path, name, scheme):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-c", ENSURE, name, scheme], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_ensure_variant_from_offline_cache(tmp_path, llama_dir):
+    cached_repo(tmp_path / "hub", "unsloth/Qwen3-0.6B-FP8", llama_dir)
+    proc = ensure_proc(tmp_path, "Qwen/Qwen3-0.6B", "block")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert out.strip().endswith(f"models--unsloth--Qwen3-0.6B-FP8/snapshots/{COMMIT}")
+    proc = ensure_proc(tmp_path, "Qwen/Qwen3-1.7B", "block")  # a variant that is not in the cache
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "unsloth/Qwen3-1.7B-FP8" in err and "HF_HUB_OFFLINE" in err
+
+
+def test_ensure_converts_once_even_when_raced(tmp_path, llama_dir):
+    cached_repo(tmp_path / "hub", "fp8kit-test/tiny-llama", llama_dir)
+    procs = [ensure_proc(tmp_path, "fp8kit-test/tiny-llama", "dynamic") for _ in range(2)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    paths = {o[0].strip() for o in outs}
+    assert len(paths) == 1
+    entry = tmp_path / "fp8cache" / "fp8kit-test--tiny-llama" / COMMIT / "dynamic-compressed-tensors-fp8kit0.1.0"
+    assert paths == {str(entry)}
+    log = (tmp_path / "fp8cache" / "conversions.log").read_text().splitlines()
+    assert len(log) == 1
+    assert (entry / "model.safetensors").exists() and (entry / "fp8kit-entry.json").exists()
+
+    # a damaged entry is rebuilt; an entry without its completion marker is redone
+    (entry / "model.safetensors").write_bytes(b"garbage")
+    p = ensure_proc(tmp_path, "fp8kit-test/tiny-llama", "dynamic")
+    assert p.communicate(timeout=120)[0].strip() == str(entry) and p.returncode == 0
+    (entry / "fp8kit-entry.json").unlink()
+    p = ensure_proc(tmp_path, "fp8kit-test/tiny-llama", "dynamic")
+    p.communicate(timeout=120)
+    assert len((tmp_path / "fp8cache" / "conversions.log").read_text().splitlines()) == 3
+    from safetensors import safe_open
+
+    with safe_open(entry / "model.safetensors", "pt") as f:
+        assert str(f.get_slice("model.layers.0.mlp.up_proj.weight").get_dtype()) == "F8_E4M3"
+
+    runner = CliRunner()
+    listing = json.loads(runner.invoke(main, ["cache", "list", "--json"]).stdout)
+    assert [(r["name"], r["scheme"], r["commit"], r["ok"]) for r in listing] == [
+        ("fp8kit-test/tiny-llama", "dynamic", COMMIT, True)]
+    result = runner.invoke(main, ["cache", "rm", "fp8kit-test/tiny-llama"])
+    assert result.exit_code == 0 and not entry.exists()
+    assert json.loads(runner.invoke(main, ["cache", "list", "--json"]).stdout) == []
