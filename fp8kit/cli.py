@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import warnings
 
@@ -34,6 +35,8 @@ def fp8_convert(src, out, scheme, fmt, ignore, device, max_shard_size, overwrite
     """Convert the safetensors checkpoint SRC (a directory or a Hub id org/name[@revision]) into FP8 at OUT."""
     from fp8kit.converter import convert
 
+    # SIGTERM unwinds like Ctrl-C, so the temporary output is removed.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -149,3 +152,70 @@ def cache_rm(name, remove_all):
         _fail("give a model NAME or --all", 2)
     for path in remove(None if remove_all else name):
         click.echo(f"removed {path}")
+
+
+@main.command()
+@click.argument("src", required=False)
+@click.option("--base-model", default=None, metavar="ORG/NAME", help="The source's Hub name (required for a local SRC).")
+@click.option("--scheme", "schemes", multiple=True, type=click.Choice(["dynamic", "block", "tensor"]),
+              help="Repeat for several variants.")
+@click.option("--repo-template", default="{org}/{name}-FP8-{Scheme}", show_default=True)
+@click.option("--org", default=None, help="Where to publish (default: the token's user).")
+@click.option("--private", is_flag=True)
+@click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to main.")
+@click.option("--max-kl", type=float, default=None, help="Do not upload variants whose mean KL is above this.")
+@click.option("--dry-run", is_flag=True, help="Convert, validate and stage only; contact no server.")
+@click.option("--staging", type=click.Path(file_okay=False), default=None, help="Where staged variants go.")
+@click.option("--force", is_flag=True, help="Upload into an existing repo that fp8kit did not make.")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
+              help="A TOML plan of many models x schemes; goes on past failures.")
+@click.option("--json", "as_json", is_flag=True)
+def publish(src, base_model, schemes, repo_template, org, private, create_pr, max_kl, dry_run, staging, force,
+            plan_path, as_json):
+    """Convert SRC to FP8, validate it against the source, write its model card, upload and register it."""
+    from pathlib import Path
+
+    from fp8kit.hub.publish import publish as run, read_plan
+
+    try:
+        if plan_path:
+            plan = read_plan(Path(plan_path))
+            jobs = [dict(src=m["src"], schemes=list(m["schemes"]), base_model=m.get("base_model"),
+                         repo_template=m.get("repo_template", plan.get("repo_template", repo_template)),
+                         org=m.get("org", plan.get("org", org)), max_kl=m.get("max_kl", plan.get("max_kl", max_kl)))
+                    for m in plan["model"]]
+        elif src and schemes:
+            jobs = [dict(src=src, schemes=list(schemes), base_model=base_model, repo_template=repo_template, org=org,
+                         max_kl=max_kl)]
+        else:
+            _fail("give SRC and at least one --scheme, or --plan FILE", 2)
+        results = []
+        for job in jobs:
+            try:
+                results += run(**job, private=private, create_pr=create_pr, dry_run=dry_run, staging=staging,
+                               force=force)
+            except Fp8kitError as e:
+                if not plan_path:
+                    raise
+                from fp8kit.hub.publish import PublishResult
+
+                results += [PublishResult(job["src"], s, "failed", error=str(e)) for s in job["schemes"]]
+    except Fp8kitError as e:
+        _fail(str(e))
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        for r in results:
+            size = sum(r.files.values()) / 1e9
+            kl = f"{r.metrics['kl']:.2e}" if r.metrics else "-"
+            click.echo(f"{r.status:<10} {r.repo_id:<50} {r.scheme:<8} KL {kl:<9} {size * 1000:9.1f} MB  "
+                       f"{r.url or r.staging or ''}{'  ' + r.error if r.error else ''}")
+            if r.status == "dry-run":
+                for name, n in r.files.items():
+                    click.echo(f"    {name:<40} {n:>14,d} bytes")
+    if any(r.status == "failed" for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

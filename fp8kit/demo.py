@@ -6,8 +6,6 @@ transformers, and the table shows what each costs in size and accuracy.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import tempfile
 import time
 from pathlib import Path
@@ -16,15 +14,14 @@ import torch
 
 from fp8kit.converter import convert
 from fp8kit.models import build_checkpoint
-from fp8kit.quality import load_causal_lm, logit_drift, weight_error
+from fp8kit.quality import load_causal_lm, logit_drift, quiet, weight_error
 
 VARIANTS = [("dynamic", "compressed-tensors"), ("block", "compressed-tensors"), ("tensor", "compressed-tensors"),
             ("block", "fp8")]
 
 
 def run_demo(workdir: Path | None = None, seed: int = 0) -> list[dict]:
-    # transformers' and compressed-tensors' progress bars (on stderr) would bury the table
-    with tempfile.TemporaryDirectory(prefix="fp8kit-demo-") as tmp, contextlib.redirect_stderr(io.StringIO()):
+    with tempfile.TemporaryDirectory(prefix="fp8kit-demo-") as tmp, quiet():
         root = Path(workdir or tmp)
         src = build_checkpoint(root / "tiny-llama", "llama", torch.bfloat16, seed=seed, hidden_size=512,
                                intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,

@@ -6,6 +6,8 @@ quality comes from one definition.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -61,6 +63,20 @@ def logit_drift(ref_logits: torch.Tensor, logits: torch.Tensor) -> dict[str, flo
     kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
     top1 = (ref.argmax(-1) == got.argmax(-1)).double().mean().item()
     return {"kl": kl, "top1": top1}
+
+
+def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    """exp of the mean next-token negative log-likelihood of `ids` under `logits` ([batch, seq, vocab])."""
+    logp = logits[:, :-1].double().log_softmax(-1)
+    nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return float(nll.mean().exp())
+
+
+@contextlib.contextmanager
+def quiet():
+    """transformers' and compressed-tensors' progress bars (on stderr) would bury our own output."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32):

@@ -30,7 +30,12 @@ def assert_clean_failure(code, err, out, *needles):
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     for needle in needles:
         assert needle in lines[0], lines[0]
-    assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+    assert not out.exists() and not leftovers(out)
+
+
+def leftovers(out):
+    """The converter's private temporary folders beside OUT."""
+    return list(out.parent.glob(f".{out.name}.*"))
 
 
 @pytest.fixture
@@ -173,15 +178,105 @@ def test_interrupt_removes_partial_output(tmp_path):
                            intermediate_size=4096, num_hidden_layers=6, vocab_size=1024)
     out = tmp_path / "out"
     proc = cli_process(src, out, "--scheme", "tensor")
-    partial = out.with_name("out.partial")
     deadline = time.time() + 60
-    while not partial.exists() and proc.poll() is None and time.time() < deadline:
+    while not leftovers(out) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.002)
     os.kill(proc.pid, signal.SIGSTOP)  # hold it mid-conversion, then interrupt
-    assert partial.exists(), "conversion finished before it could be interrupted"
+    assert leftovers(out), "conversion finished before it could be interrupted"
     os.kill(proc.pid, signal.SIGINT)
     os.kill(proc.pid, signal.SIGCONT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert "interrupted" in err
-    assert not out.exists() and not partial.exists()
+    assert not out.exists() and not leftovers(out)
+
+
+@pytest.mark.parametrize("layout", ["out_contains_src", "src_named_like_temp"])
+def test_never_deletes_the_source(tmp_path, llama_dir, layout):
+    if layout == "out_contains_src":
+        src, out = tmp_path / "models" / "llama", tmp_path / "models"
+    else:  # earlier versions removed OUT.partial before starting
+        src, out = tmp_path / "x.partial", tmp_path / "x"
+    shutil.copytree(llama_dir, src)
+    before = sorted(p.name for p in src.iterdir())
+    code, err = run_cli(src, out, "--scheme", "dynamic", "--overwrite")
+    if layout == "out_contains_src":
+        assert code != 0 and "must not" in err
+    else:
+        assert code == 0, err
+    assert sorted(p.name for p in src.iterdir()) == before
+
+
+def write_raw_safetensors(path, header: dict, data: bytes):
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize("entry,data", [
+    ({"dtype": "BF16", "shape": [-8], "data_offsets": [16, 0]}, b"\0" * 16),
+    ({"dtype": "BF16", "shape": ["4"], "data_offsets": [0, 8]}, b"\0" * 8),
+    ({"dtype": "BF16", "shape": [2.5, 2], "data_offsets": [0, 10]}, b"\0" * 10),
+    ({"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}, b"\0" * 12),  # a gap at the end
+    ({"dtype": ["BF16"], "shape": [4], "data_offsets": [0, 8]}, b"\0" * 8),
+    ("not a dict", b""),
+])
+def test_malformed_headers_are_refused(tmp_path, entry, data):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    header = {"model.layers.0.mlp.up_proj.weight": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]},
+              "model.norm.weight": entry}
+    if isinstance(entry, dict) and entry["data_offsets"][0] == 0:
+        entry["data_offsets"] = [8 + entry["data_offsets"][0], 8 + entry["data_offsets"][1]]
+    write_raw_safetensors(src / "model.safetensors", header, b"\0" * 8 + data)
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "model.safetensors")
+
+
+def test_overlapping_tensors_are_refused(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    header = {"model.layers.0.mlp.up_proj.weight": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]},
+              "model.layers.0.mlp.down_proj.weight": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [4, 12]}}
+    write_raw_safetensors(src / "model.safetensors", header, b"\0" * 12)
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "overlaps")
+
+
+def test_transposed_conv1d_models_are_refused(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text('{"model_type": "gpt2"}')
+    save_file({"h.0.attn.c_attn.weight": torch.zeros(128, 384)}, src / "model.safetensors")
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "gpt2", "transposed")
+
+
+def test_fused_experts_without_weight_suffix_refused(tmp_path, llama_dir):
+    src = tmp_path / "src"
+    shutil.copytree(llama_dir, src)
+    from safetensors.torch import load_file
+
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.0.feed_forward.experts.gate_up_proj"] = torch.zeros(2, 256, 512, dtype=torch.bfloat16)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "experts.gate_up_proj", "3-D")
+
+
+def test_sigterm_removes_partial_output(tmp_path):
+    src = build_checkpoint(tmp_path / "src", "llama", torch.float32, seed=0, hidden_size=1024,
+                           intermediate_size=4096, num_hidden_layers=6, vocab_size=1024)
+    out = tmp_path / "out"
+    proc = cli_process(src, out, "--scheme", "tensor")
+    deadline = time.time() + 60
+    while not leftovers(out) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGSTOP)
+    assert leftovers(out), "conversion finished before it could be stopped"
+    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert not out.exists() and not leftovers(out)

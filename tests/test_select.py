@@ -55,3 +55,14 @@ def test_block_shape_rule_spreads_to_fused_siblings():
 def test_nothing_to_quantize_is_an_error():
     with pytest.raises(Fp8kitError, match="no weights to quantize"):
         select(infos({"model.embed_tokens.weight": (10, 4)}), SCHEMES["dynamic"], [])
+
+
+def test_deepseek_mla_pair_and_mtp_head():
+    t = infos({"model.layers.3.self_attn.q_a_proj.weight": (1536, 7168),
+               "model.layers.3.self_attn.kv_a_proj_with_mqa.weight": (576, 7168),  # 576 % 128 != 0
+               "model.layers.3.self_attn.kv_b_proj.weight": (32768, 512),
+               "model.layers.61.eh_proj.weight": (7168, 14336),
+               "model.layers.61.shared_head.head.weight": (129280, 7168)})
+    sel = select(t, SCHEMES["block"], [])
+    assert sel.quantize == ["model.layers.3.self_attn.kv_b_proj"]  # vLLM fuses q_a and kv_a: one status
+    assert {"model.layers.61.eh_proj", "model.layers.61.shared_head.head"} <= set(sel.keep)

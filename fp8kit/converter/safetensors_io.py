@@ -84,19 +84,37 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     for name, entry in header.items():
         try:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise Fp8kitError(f"{path}: tensor {name!r} has a malformed header entry; re-download the file") from e
+            ok = (isinstance(dtype, str) and all(_is_count(d) for d in shape) and _is_count(begin)
+                  and _is_count(end) and begin <= end)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise Fp8kitError(f"{path}: tensor {name!r} has a malformed header entry; re-download the file")
         if dtype not in ITEMSIZE:
             raise Fp8kitError(f"{path}: tensor {name!r} has unknown dtype {dtype}")
         numel = 1
         for d in shape:
             numel *= d
-        if end - begin != numel * ITEMSIZE[dtype] or begin < 0:
+        if end - begin != numel * ITEMSIZE[dtype]:
             raise Fp8kitError(f"{path}: tensor {name!r} has a size that does not match its shape; re-download the file")
         if base + end > size:
             raise Fp8kitError(f"{path}: truncated (tensor {name!r} ends past the end of the file); re-download the file")
         tensors[name] = TensorInfo(name, dtype, shape, path, base + begin, end - begin)
+    # Like safetensors itself: the tensors must tile the data section exactly, without gaps or overlaps.
+    position = base
+    for info in sorted(tensors.values(), key=lambda t: (t.start, t.nbytes)):
+        if info.start != position:
+            raise Fp8kitError(f"{path}: corrupt header (tensor {info.name!r} overlaps another or leaves a gap); "
+                              f"re-download the file")
+        position += info.nbytes
+    if position != size:
+        raise Fp8kitError(f"{path}: corrupt or truncated (the data section is {size - base} bytes, the header "
+                          f"describes {position - base}); re-download the file")
     return tensors, metadata
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62
 
 
 def read_bytes(fd: int, start: int, nbytes: int, path: Path) -> bytearray:
@@ -104,7 +122,10 @@ def read_bytes(fd: int, start: int, nbytes: int, path: Path) -> bytearray:
     view = memoryview(buf)
     done = 0
     while done < nbytes:
-        got = os.preadv(fd, [view[done:]], start + done)
+        try:
+            got = os.preadv(fd, [view[done:]], start + done)
+        except OSError as e:
+            raise Fp8kitError(f"{path}: cannot read ({e.strerror})") from e
         if got == 0:
             raise Fp8kitError(f"{path}: truncated while reading; re-download the file")
         done += got

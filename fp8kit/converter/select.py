@@ -20,8 +20,11 @@ DECODER_BLOCK = re.compile(r"(^|\.)(layers|h|blocks|block)\.\d+\.")
 NOT_LANGUAGE = re.compile(r"(^|\.)(vision|visual|vision_tower|vision_model|audio|audio_tower|audio_model|speech|"
                           r"multi_modal_projector|mm_projector|image_newline|vqmodel|mtp)(\.|_|$)")
 ROUTERS = {"gate", "router", "shared_expert_gate"}
+# DeepSeek-V3 multi-token-prediction heads: vocabulary-sized or not GEMMs that engines quantize.
+KEPT_PARTS = ROUTERS | {"shared_head", "eh_proj"}
 # Modules that serving engines fuse into one GEMM (qkv_proj, gate_up_proj): one status for all of them.
-SIBLINGS = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("query", "key", "value")]
+SIBLINGS = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("query", "key", "value"),
+            ("q_a_proj", "kv_a_proj_with_mqa")]  # vLLM's fused_qkv_a_proj in DeepSeek-V3 / Kimi-K2
 QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "weight_packed", "weight_zero_point",
                   "qweight", "qzeros", "weight_global_scale")
 
@@ -48,7 +51,7 @@ def _is_candidate(module: str) -> bool:
     if not DECODER_BLOCK.search(module) or NOT_LANGUAGE.search(module):
         return False
     parts = DECODER_BLOCK.split(module)[-1].split(".")
-    return not any(p in ROUTERS or "embed" in p or "norm" in p for p in parts)
+    return not any(p in KEPT_PARTS or "embed" in p or "norm" in p for p in parts)
 
 
 def _sibling_group(module: str) -> tuple[str, int] | None:
@@ -66,16 +69,15 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str]) ->
     reason: dict[str, str] = {}
     for name in sorted(tensors, key=natural_key):
         info = tensors[name]
-        if not name.endswith(".weight"):
+        module = name[: -len(".weight")] if name.endswith(".weight") else name
+        if len(info.shape) == 3 and _is_candidate(module) and not any(p.search(module) for p in patterns):
+            # Llama 4 and gpt-oss store experts fused as [experts, ...] (some without a .weight suffix)
+            raise Fp8kitError(f"{info.path}: tensor {name!r} is a fused 3-D expert tensor {list(info.shape)}; "
+                              f"fp8-convert quantizes per-expert 2-D weights only: save the checkpoint with "
+                              f"per-expert tensors, or pass --ignore '{re.escape(module)}' to keep it as is")
+        if not name.endswith(".weight") or len(info.shape) != 2:
             continue
-        module = name[: -len(".weight")]
-        if len(info.shape) != 2:
-            if len(info.shape) == 3 and _is_candidate(module) and not any(p.search(module) for p in patterns):
-                raise Fp8kitError(f"{info.path}: tensor {name!r} is a fused 3-D expert tensor {list(info.shape)}; "
-                                  f"fp8-convert quantizes per-expert 2-D weights only: save the checkpoint with "
-                                  f"per-expert tensors, or pass --ignore '{re.escape(module)}' to keep it as is")
-            continue
-        if not _is_candidate(module):
+        if not _is_candidate(module) or info.numel == 0:
             if not any("embed" in p for p in module.split(".")) and module.split(".")[-1] not in ("wte", "wpe"):
                 sel.keep.append(module)
             continue
@@ -99,11 +101,16 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str]) ->
             for m in members:
                 if wanted[m]:
                     wanted[m], reason[m] = False, "sibling"
-    by_shape = [m for m in wanted if reason.get(m) in ("shape", "sibling")]
+    by_shape = [m for m in wanted if reason.get(m) == "shape"]
     if by_shape:
         sel.warnings.append(
             f"{len(by_shape)} weights kept in source precision because block FP8 needs both dimensions to be "
-            f"multiples of 128 (or a fused sibling's do): {', '.join(by_shape[:4])}{' ...' if len(by_shape) > 4 else ''}")
+            f"multiples of 128: {', '.join(by_shape[:4])}{' ...' if len(by_shape) > 4 else ''}")
+    by_sibling = [m for m in wanted if reason.get(m) == "sibling"]
+    if by_sibling:
+        sel.warnings.append(
+            f"{len(by_sibling)} weights kept in source precision with a fused sibling (q/k/v, gate/up): "
+            f"{', '.join(by_sibling[:4])}{' ...' if len(by_sibling) > 4 else ''}")
     for module, q in wanted.items():
         (sel.quantize if q else sel.keep).append(module)
     if not sel.quantize:

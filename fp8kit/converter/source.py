@@ -63,21 +63,30 @@ def load_config(src: Path) -> dict:
         raise Fp8kitError(f"{path}: not a JSON object")
     for key in ("quantization_config", "compression_config"):
         if key in config:
-            method = (config[key] or {}).get("quant_method", "unknown")
+            method = config[key].get("quant_method", "unknown") if isinstance(config[key], dict) else "unknown"
             raise Fp8kitError(f"{path}: checkpoint is already quantized (quant_method {method}); convert the original "
                               f"BF16/FP16/FP32 checkpoint instead")
     return config
 
 
+def read_weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise Fp8kitError(f"{index}: unreadable or has no weight_map; re-download it") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise Fp8kitError(f"{index}: weight_map must map tensor names to shard file names; re-download it")
+    return weight_map
+
+
 def weight_files(src: Path) -> list[Path]:
     index = src / INDEX_NAME
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise Fp8kitError(f"{index}: unreadable or has no weight_map; re-download it") from e
+        weight_map = read_weight_map(index)
         files = sorted({src / f for f in weight_map.values()})
         for f in files:
+            if f.resolve().parent != src.resolve():
+                raise Fp8kitError(f"{index}: names shard {f.name!r} outside the checkpoint directory")
             if not f.is_file():
                 raise Fp8kitError(f"{index}: names shard {f.name}, which is missing; re-download the checkpoint")
         return files
@@ -104,7 +113,7 @@ def read_tensors(src: Path) -> dict[str, TensorInfo]:
             tensors[name] = info
     index = src / INDEX_NAME
     if index.exists():
-        for name, shard in json.loads(index.read_text())["weight_map"].items():
+        for name, shard in read_weight_map(index).items():
             info = tensors.get(name)
             if info is None or info.path.name != Path(shard).name:
                 raise Fp8kitError(f"{index}: names tensor {name!r} in {shard}, which does not contain it; "

@@ -13,6 +13,7 @@ import queue
 import re
 import resource
 import shutil
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,6 +32,7 @@ from fp8kit.errors import Fp8kitError
 CHUNK_BYTES = 16 << 20  # float32 working set of one quantization piece
 COPY_BYTES = 8 << 20  # one piece of a tensor copied as it is
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+TRANSPOSED_LINEARS = {"gpt2", "openai-gpt", "decision_transformer"}  # transformers' Conv1D keeps [in, out]
 
 
 @dataclass
@@ -62,7 +64,10 @@ def parse_size(size: str | int) -> int:
     if not m:
         raise Fp8kitError(f"--max-shard-size {size!r}: expected a size such as 5GB, 500MB or 2GiB")
     base = 1024 if m.group(3) else 1000
-    return int(float(m.group(1)) * base ** "_KMGT".index(m.group(2) or "_"))
+    size = float(m.group(1)) * base ** "_KMGT".index(m.group(2) or "_")
+    if not 0 < size < 2**63:
+        raise Fp8kitError(f"--max-shard-size {size!r}: out of range")
+    return int(size)
 
 
 def peak_rss_bytes() -> int:
@@ -145,10 +150,10 @@ class _Writer:
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            if self.error is None:
+            if self.error is None:  # after an error the rest is drained unwritten
                 try:
                     write_all(self.fd, *item)
-                except OSError as e:
+                except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
                     self.error = e
 
     def put(self, data, offset: int) -> None:
@@ -157,10 +162,17 @@ class _Writer:
         self.queue.put((data, offset))
 
     def close(self) -> None:
+        """Wait for every write; raises the first write error."""
         self.queue.put(None)
         self.thread.join()
         if self.error is not None:
             raise self.error
+
+    def abort(self) -> None:
+        """Stop after the main thread failed: pending pieces are dropped, errors are not raised over its own."""
+        self.error = self.error or Fp8kitError("aborted")
+        self.queue.put(None)
+        self.thread.join()
 
 
 class _Inputs:
@@ -241,11 +253,13 @@ def _write_shard(path: Path, jobs: list[Job], inputs: _Inputs, scheme: Scheme, d
                 _quantize(job, inputs, writer, len(header), scheme, device, tick)
             else:
                 _copy(job, inputs, writer, len(header), tick)
+    except BaseException:
+        writer.abort()
+        raise
+    else:
+        writer.close()
     finally:
-        try:
-            writer.close()
-        finally:
-            os.close(fd)
+        os.close(fd)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -271,14 +285,21 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
             raise Fp8kitError(f"--ignore {pattern!r}: not a regular expression ({e})") from e
     spec = SCHEMES[scheme]
     shard_bytes = parse_size(max_shard_size)
-    out = Path(out).expanduser().absolute()
+    out = Path(out).expanduser().resolve()
+    if not out.name:
+        raise Fp8kitError(f"{out}: OUT must name a new directory")
     if out.exists() and not overwrite:
         raise Fp8kitError(f"{out}: already exists; pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise Fp8kitError(f"{out}: exists and is not a directory; remove it or choose another OUT")
     dev = resolve_device(device)
-    src_path = source.resolve(src)
-    if out == src_path.absolute() or src_path.absolute() in out.parents:
-        raise Fp8kitError(f"{out}: OUT must not be SRC or lie inside it")
+    src_path = source.resolve(src).resolve()
+    if out == src_path or src_path in out.parents or out in src_path.parents:
+        raise Fp8kitError(f"{out}: OUT must not be SRC, lie inside it, or contain it")
     config = source.load_config(src_path)
+    if config.get("model_type") in TRANSPOSED_LINEARS:
+        raise Fp8kitError(f"{src_path / 'config.json'}: model_type {config['model_type']!r} stores its linear "
+                          f"weights transposed (Conv1D, [in, out]); fp8-convert does not support it")
     tensors = source.read_tensors(src_path)
     check_not_quantized(tensors)
     sel = select(tensors, spec, list(ignore))
@@ -291,15 +312,17 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
 
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
     inputs = _Inputs()
     from tqdm.auto import tqdm
 
     bar = tqdm(total=bytes_in, unit="B", unit_scale=True, unit_divisor=1024, desc=f"fp8-convert {scheme}",
                disable=not progress, leave=False)
+    partial = None
     try:
-        partial.mkdir(parents=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # A fresh private folder beside OUT (same filesystem, so the final rename is atomic); nothing the
+        # user owns is ever removed in its place.
+        partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
         for name, shard in zip(names, shards):
             try:
                 _write_shard(partial / name, shard, inputs, spec, dev, bar.update)
@@ -312,21 +335,19 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
         _write_json(partial / "config.json", config)
         for extra in source.extra_files(src_path):
             shutil.copyfile(extra, partial / extra.name)
-        if out.exists():
-            old = out.with_name(out.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
+        if out.exists() and overwrite:
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            out.rename(old)  # onto the empty folder just made
             partial.rename(out)
             shutil.rmtree(old)
         else:
-            partial.rename(out)
+            partial.rename(out)  # fails if OUT appeared meanwhile: never replaced without --overwrite
+        partial = None
     except OSError as e:
-        shutil.rmtree(partial, ignore_errors=True)
         raise Fp8kitError(f"{out}: cannot write ({e.strerror}); free disk space or choose another OUT") from e
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     finally:
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
         bar.close()
         inputs.close()
 

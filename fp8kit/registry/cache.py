@@ -88,8 +88,13 @@ def ensure(name: str, scheme: str = "auto") -> Path:
     answer = resolve(name, scheme)
     if answer.repo_id is not None:
         return source.resolve(answer.repo_id)
+    return cached_conversion(name, answer.scheme)
+
+
+def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -> Path:
+    """Our conversion of `name` (Hub id or local directory), made once per source commit and reused."""
     src = source.resolve(name)
-    entry = model_dir(name) / _source_commit(src) / entry_name(answer.scheme)
+    entry = model_dir(name) / _source_commit(src) / entry_name(scheme, fmt)
     entry.parent.mkdir(parents=True, exist_ok=True)
     with open(entry.parent / (entry.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here while the first converts
@@ -97,15 +102,15 @@ def ensure(name: str, scheme: str = "auto") -> Path:
             return entry
         from fp8kit.converter import convert
 
-        report = convert(src, entry, scheme=answer.scheme, overwrite=True)
-        marker = {"name": name, "source": str(src), "scheme": answer.scheme, "format": answer.format,
+        report = convert(src, entry, scheme=scheme, format=fmt, overwrite=True)
+        marker = {"name": name, "source": str(src), "scheme": scheme, "format": fmt,
                   "files": {p.name: p.stat().st_size for p in sorted(entry.iterdir())},
                   "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": report.seconds}
         tmp = entry / (MARKER + ".tmp")
         tmp.write_text(json.dumps(marker, indent=2) + "\n")
         tmp.rename(entry / MARKER)
         with open(cache_root() / LOG, "a") as log:
-            log.write(f"{marker['converted_at']} {name} {answer.scheme} -> {entry}\n")
+            log.write(f"{marker['converted_at']} {name} {scheme} -> {entry}\n")
     return entry
 
 

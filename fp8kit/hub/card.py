@@ -1,0 +1,83 @@
+"""The model card of an FP8 variant, built with huggingface_hub's ModelCard so the Hub parses it.
+
+License and gating fields are copied from the source card: a quantized copy carries the same terms.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SCHEME_TEXT = {
+    "dynamic": "**FP8-Dynamic**: float8_e4m3fn weights with one scale per output channel; activations are "
+               "quantized to FP8 per token at run time. The fastest general-purpose FP8 layout on Ada, Hopper "
+               "and Blackwell GPUs.",
+    "block": "**FP8-Block**: float8_e4m3fn weights with one scale per 128x128 block (the DeepSeek-V3 / Qwen3-FP8 "
+             "layout); activations are quantized per 1x128 group at run time.",
+    "tensor": "**FP8 per-tensor**: float8_e4m3fn weights with one scale per tensor; activations are quantized "
+              "per tensor at run time.",
+}
+COPIED_FIELDS = ("license", "license_name", "license_link", "gated", "language")
+
+
+def source_terms(src: Path) -> dict:
+    """License and gating metadata of the source card (README.md), if it has one."""
+    readme = src / "README.md"
+    if not readme.exists():
+        return {}
+    from huggingface_hub import ModelCard
+
+    data = ModelCard(readme.read_text()).data.to_dict()
+    return {k: v for k, v in data.items() if k in COPIED_FIELDS or k.startswith("extra_gated")}
+
+
+def build_card(repo_id: str, base_model: str, scheme: str, fmt: str, metrics: dict, command: str, terms: dict):
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from fp8kit import __version__
+
+    data = ModelCardData(base_model=base_model, base_model_relation="quantized", library_name="transformers",
+                         pipeline_tag="text-generation", tags=["fp8", fmt, "vllm", scheme, "fp8kit"], **terms)
+    ppl = f"{metrics['ppl_ratio']:.4f}"
+    body = f"""
+# {repo_id.split('/')[-1]}
+
+FP8 weights of [{base_model}](https://huggingface.co/{base_model}), made with fp8kit {__version__}.
+
+{SCHEME_TEXT[scheme]} Format: `{fmt}`. Embeddings, `lm_head`, norms and MoE routers stay in the source precision.
+
+## Validation
+
+Compared with {base_model} on {metrics['tokens']} tokens ({metrics['token_source']}), both loaded with transformers:
+
+| metric | value |
+|---|---|
+| mean per-token KL divergence (nats) | {metrics['kl']:.3e} |
+| top-1 next-token agreement | {metrics['top1']:.4f} |
+| perplexity ratio (FP8 / source) | {ppl} |
+
+## Usage
+
+vLLM:
+```bash
+vllm serve {repo_id}
+```
+
+SGLang:
+```bash
+python -m sglang.launch_server --model-path {repo_id}
+```
+
+transformers (with `compressed-tensors` installed for the compressed-tensors format):
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{repo_id}", device_map="auto")
+tokenizer = AutoTokenizer.from_pretrained("{repo_id}")
+```
+
+## How it was made
+
+```bash
+{command}
+```
+"""
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")

@@ -1,0 +1,232 @@
+"""`fp8kit publish`: convert, validate, write the card, upload with huggingface_hub, register.
+
+Every variant is staged as a folder holding exactly what is uploaded (weights, configs, tokenizer,
+README.md card, fp8kit.json provenance). An upload compares that folder with the repo first and sends
+nothing when the repo already holds the same files; the registry overlay is only written after an upload
+succeeded, so an interrupted run registers nothing and a re-run resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from fp8kit.errors import Fp8kitError
+
+PROVENANCE = "fp8kit.json"
+SCHEME_FORMAT = {"dynamic": "compressed-tensors", "block": "compressed-tensors", "tensor": "compressed-tensors"}
+
+
+@dataclass
+class PublishResult:
+    repo_id: str
+    scheme: str
+    status: str  # uploaded | unchanged | dry-run | rejected | failed
+    metrics: dict = field(default_factory=dict)
+    files: dict = field(default_factory=dict)  # name -> bytes
+    staging: str | None = None
+    url: str | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def repo_id_for(template: str, org: str, base_model: str, scheme: str) -> str:
+    name = base_model.split("/")[-1]
+    try:
+        repo_id = template.format(org=org, name=name, scheme=scheme, Scheme=scheme.capitalize())
+    except (KeyError, IndexError) as e:
+        raise Fp8kitError(f"--repo-template {template!r}: unknown field {e}; use {{org}}, {{name}}, {{scheme}}, {{Scheme}}") from e
+    if repo_id.count("/") != 1:
+        raise Fp8kitError(f"--repo-template {template!r} gives {repo_id!r}, not org/name")
+    return repo_id
+
+
+def _http_error(e: Exception, repo_id: str) -> Fp8kitError:
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    reasons = {401: "the Hub rejected the token (401): log in again with `hf auth login` or set HF_TOKEN",
+               403: f"no write access to {repo_id} (403): check the token's permissions and the organization",
+               404: f"{repo_id}: not found (404)",
+               429: "rate limited by the Hub (429): wait and re-run; finished uploads are kept and skipped"}
+    text = reasons.get(status) or (f"the Hub answered {status}: re-run to resume; finished uploads are kept"
+                                   if status else f"cannot reach the Hub ({e.__class__.__name__}): re-run to resume")
+    return Fp8kitError(f"{repo_id}: {text}" if not text.startswith(repo_id) else text)
+
+
+def _git_blob_sha(path: Path) -> str:
+    h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _identical_on_hub(api, repo_id: str, staging: Path) -> bool:
+    """True when every staged file is already in the repo with the same content (LFS sha256 or git blob id)."""
+    names = sorted(p.name for p in staging.iterdir() if p.is_file())
+    remote = {info.path: info for info in api.get_paths_info(repo_id, names, expand=False)}
+    for name in names:
+        info = remote.get(name)
+        if info is None or not hasattr(info, "blob_id"):
+            return False
+        lfs = getattr(info, "lfs", None)
+        if lfs is not None:
+            if lfs.sha256 != _sha256(staging / name):
+                return False
+        elif info.blob_id != _git_blob_sha(staging / name):
+            return False
+    return True
+
+
+def _stage(conversion: Path, staging: Path, card, provenance: dict) -> dict:
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for p in sorted(conversion.iterdir()):
+        if p.is_file() and not p.name.startswith("fp8kit-entry"):
+            try:
+                os.link(p, staging / p.name)  # the cache and the staging folder share the bytes
+            except OSError:
+                shutil.copyfile(p, staging / p.name)
+    card.save(staging / "README.md")
+    (staging / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
+    return {p.name: p.stat().st_size for p in sorted(staging.iterdir())}
+
+
+def _with_retries(fn, attempts: int = 3):
+    """Rate limits and server errors are retried; the Hub client already retries connection errors."""
+    wait = float(os.environ.get("FP8KIT_HUB_RETRY_SECONDS", "5"))
+    for i in range(attempts):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - huggingface_hub raises several HTTP error types
+            status = getattr(getattr(e, "response", None), "status_code", None)
+            if i == attempts - 1 or not (status == 429 or (status or 0) >= 500):
+                raise
+            time.sleep(wait * 2 ** i)
+
+
+def publish(src: str, schemes: list[str], base_model: str | None = None,
+            repo_template: str = "{org}/{name}-FP8-{Scheme}", org: str | None = None, private: bool = False,
+            create_pr: bool = False, max_kl: float | None = None, dry_run: bool = False,
+            staging: str | Path | None = None, force: bool = False, command: str | None = None) -> list[PublishResult]:
+    from fp8kit import __version__
+    from fp8kit.converter import source
+    from fp8kit.hub.card import build_card, source_terms
+    from fp8kit.hub.validate import validate
+    from fp8kit.registry.cache import cached_conversion
+
+    local = Path(src).expanduser().is_dir()
+    if local and not base_model:
+        raise Fp8kitError(f"{src}: a local SRC needs --base-model ORG/NAME (it names the source on the card)")
+    base_model = base_model or src.partition("@")[0]
+    for scheme in schemes:
+        if scheme not in SCHEME_FORMAT:
+            raise Fp8kitError(f"--scheme {scheme!r}: expected dynamic, block or tensor")
+    api = None
+    if not dry_run:  # the token is checked before any conversion work
+        from huggingface_hub import HfApi, get_token
+
+        if not get_token():
+            raise Fp8kitError("no Hugging Face token: run `hf auth login` or set HF_TOKEN (or use --dry-run)")
+        api = HfApi()
+        try:
+            user = api.whoami()["name"]
+        except Exception as e:  # noqa: BLE001
+            raise _http_error(e, "whoami") from e
+        org = org or user
+    if not org:
+        raise Fp8kitError("--dry-run without a token needs --org ORG to name the repos")
+    src_dir = source.resolve(src)
+    terms = source_terms(src_dir)
+    staging_root = Path(staging) if staging else Path(tempfile.mkdtemp(prefix="fp8kit-publish-"))
+    command = command or "fp8kit publish " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    results = []
+    for scheme in schemes:
+        repo_id = repo_id_for(repo_template, org, base_model, scheme)
+        fmt = SCHEME_FORMAT[scheme]
+        try:
+            conversion = cached_conversion(str(src_dir) if local else src, scheme, fmt)
+            metrics = validate(src_dir, conversion)
+            card = build_card(repo_id, base_model, scheme, fmt, metrics, command, terms)
+            provenance = {"tool": "fp8kit", "version": __version__, "base_model": base_model, "scheme": scheme,
+                          "format": fmt, "validation": metrics}
+            folder = staging_root / repo_id.replace("/", "--")
+            files = _stage(conversion, folder, card, provenance)
+            result = PublishResult(repo_id, scheme, "dry-run", metrics, files, str(folder))
+            if max_kl is not None and metrics["kl"] > max_kl:
+                result.status, result.error = "rejected", f"KL {metrics['kl']:.3e} is over --max-kl {max_kl:g}"
+            elif not dry_run:
+                _upload(api, result, folder, private, create_pr, force)
+                if not create_pr:
+                    _register(repo_id, scheme, fmt, base_model)
+        except Fp8kitError as e:
+            result = PublishResult(repo_id, scheme, "failed", error=str(e))
+        results.append(result)
+    return results
+
+
+def _upload(api, result: PublishResult, folder: Path, private: bool, create_pr: bool, force: bool) -> None:
+    repo_id = result.repo_id
+    try:
+        if api.repo_exists(repo_id):
+            # A repo with content but no provenance file is someone else's work; an empty one (say, left by
+            # an interrupted first upload of ours) has nothing to overwrite.
+            remote = set(api.list_repo_files(repo_id)) - {".gitattributes"}
+            if remote and PROVENANCE not in remote and not force:
+                raise Fp8kitError(f"{repo_id}: exists and was not made by fp8kit (no {PROVENANCE}); pass --force to "
+                                  f"upload into it")
+            if _identical_on_hub(api, repo_id, folder):
+                result.status, result.url = "unchanged", f"{api.endpoint}/{repo_id}"
+                return
+        _with_retries(lambda: api.create_repo(repo_id, private=private, exist_ok=True))
+        info = _with_retries(lambda: api.upload_folder(repo_id=repo_id, folder_path=folder, create_pr=create_pr,
+                                                       commit_message=f"FP8 {result.scheme} variant (fp8kit)"))
+    except Fp8kitError:
+        raise
+    except Exception as e:  # noqa: BLE001 - HTTP and connection errors from huggingface_hub
+        raise _http_error(e, repo_id) from e
+    result.status = "uploaded"
+    result.url = getattr(info, "pr_url", None) or getattr(info, "commit_url", None)
+
+
+def _register(repo_id: str, scheme: str, fmt: str, base_model: str) -> None:
+    from fp8kit.registry.catalog import Variant, append_to_overlay, load, overlay_path
+
+    if any(v.repo_id.lower() == repo_id.lower() and v.source == "overlay" for v in load()):
+        return
+    family = next((v.family for v in load() if base_model.lower() in (b.lower() for b in v.base)),
+                  base_model.split("/")[-1].lower())
+    append_to_overlay(Variant(repo_id, family, scheme, fmt, (scheme,), (base_model,), "overlay"), overlay_path())
+
+
+def read_plan(path: Path) -> dict:
+    from fp8kit.registry.catalog import tomllib
+
+    try:
+        plan = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise Fp8kitError(f"{path}: cannot read the plan ({e})") from e
+    models = plan.get("model")
+    if not isinstance(models, list) or not models:
+        raise Fp8kitError(f"{path}: the plan needs [[model]] tables with src and schemes")
+    for i, m in enumerate(models):
+        if not isinstance(m, dict) or "src" not in m or not m.get("schemes"):
+            raise Fp8kitError(f"{path}: [[model]] number {i + 1} needs src and schemes")
+    return plan

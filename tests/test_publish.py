@@ -1,0 +1,159 @@
+"""fp8kit publish end to end against a local fake Hub (tests/fake_hub.py), driven by the real
+huggingface_hub client through HF_ENDPOINT."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from huggingface_hub import ModelCard
+
+from fake_hub import TOKEN, FakeHub
+
+SOURCE_CARD = """---
+license: llama3.2
+extra_gated_prompt: You agree to the Llama 3.2 Community License.
+language:
+- en
+---
+# Tiny Llama
+"""
+
+
+@pytest.fixture
+def hub(tmp_path):
+    server = FakeHub(tmp_path / "hub-store")
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def src(tmp_path, llama_dir):
+    path = tmp_path / "tiny-llama"
+    shutil.copytree(llama_dir, path)
+    (path / "README.md").write_text(SOURCE_CARD)
+    return path
+
+
+def publish(tmp_path, hub, *args, token=TOKEN):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_XET="1",
+               HF_HUB_DISABLE_TELEMETRY="1", FP8KIT_CACHE=str(tmp_path / "fp8cache"),
+               FP8KIT_REGISTRY=str(tmp_path / "overlay.toml"), FP8KIT_HUB_RETRY_SECONDS="0")
+    if token:
+        env["HF_TOKEN"] = token
+    proc = subprocess.run([sys.executable, "-m", "fp8kit.cli", "publish", *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert TOKEN not in proc.stdout + proc.stderr
+    return proc
+
+
+def results(proc):
+    return {r["repo_id"]: r for r in json.loads(proc.stdout)}
+
+
+def test_publish_two_schemes_then_rerun_uploads_nothing(tmp_path, hub, src):
+    args = [src, "--base-model", "meta-llama/Llama-3.2-1B", "--scheme", "dynamic", "--scheme", "block", "--json"]
+    proc = publish(tmp_path, hub, *args)
+    assert proc.returncode == 0, proc.stderr
+    out = results(proc)
+    assert {r["status"] for r in out.values()} == {"uploaded"}
+    for repo_id, scheme in [("tester/Llama-3.2-1B-FP8-Dynamic", "dynamic"), ("tester/Llama-3.2-1B-FP8-Block", "block")]:
+        staged = tmp_path / "fp8cache"
+        entry = next(p for p in staged.glob(f"local--tiny-llama-*/*/{scheme}-compressed-tensors-*") if p.is_dir())
+        assert hub.file(repo_id, "model.safetensors") == (entry / "model.safetensors").read_bytes()
+        assert json.loads(hub.file(repo_id, "config.json"))["quantization_config"]["quant_method"] == "compressed-tensors"
+        card = ModelCard(hub.file(repo_id, "README.md").decode())
+        assert card.data.base_model == "meta-llama/Llama-3.2-1B"
+        assert card.data.base_model_relation == "quantized"
+        assert card.data.license == "llama3.2" and "Llama 3.2" in card.data.extra_gated_prompt
+        assert set(card.data.tags) >= {"fp8", "compressed-tensors", "vllm", scheme}
+        assert "random token ids" in card.text and f"vllm serve {repo_id}" in card.text
+        assert out[repo_id]["metrics"]["kl"] < 5e-3
+        assert json.loads(hub.file(repo_id, "fp8kit.json"))["scheme"] == scheme
+    overlay = (tmp_path / "overlay.toml").read_text()
+    assert 'repo_id = "tester/Llama-3.2-1B-FP8-Dynamic"' in overlay
+    assert TOKEN not in overlay
+
+    commits = sum(1 for m, p in hub.requests if "/commit/" in p)
+    proc = publish(tmp_path, hub, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert {r["status"] for r in results(proc).values()} == {"unchanged"}
+    assert sum(1 for m, p in hub.requests if "/commit/" in p) == commits
+    assert overlay == (tmp_path / "overlay.toml").read_text()  # registered once
+
+
+def test_dry_run_contacts_no_server_and_needs_no_token(tmp_path, hub, src):
+    proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "tensor", "--dry-run", "--org", "me",
+                   "--staging", tmp_path / "staging", token=None)
+    assert proc.returncode == 0, proc.stderr
+    assert hub.requests == []
+    folder = tmp_path / "staging" / "me--tiny-FP8-Tensor"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "README.md", "config.json", "fp8kit.json", "generation_config.json", "model.safetensors"]
+    assert "me/tiny-FP8-Tensor" in proc.stdout and "model.safetensors" in proc.stdout
+    assert not (tmp_path / "overlay.toml").exists()
+
+
+def test_no_token_and_bad_token_fail_before_converting(tmp_path, hub, src):
+    proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "dynamic", token=None)
+    assert proc.returncode == 1 and "no Hugging Face token" in proc.stderr
+    proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "dynamic", token="hf_wrong")
+    assert proc.returncode == 1 and "401" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "fp8cache").exists()
+
+
+def test_server_errors_retry_and_rerun_resumes(tmp_path, hub, src):
+    args = [src, "--base-model", "org/tiny", "--scheme", "dynamic", "--json"]
+    hub.faults["/commit/"] = [500]  # one 500 midway: retried, then uploaded
+    proc = publish(tmp_path, hub, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert results(proc)["tester/tiny-FP8-Dynamic"]["status"] == "uploaded"
+
+    args = [src, "--base-model", "org/tiny", "--scheme", "block", "--json"]
+    hub.faults["/commit/"] = [429, 503, 500]  # every attempt fails: reported, nothing registered
+    proc = publish(tmp_path, hub, *args)
+    assert proc.returncode == 1
+    failed = results(proc)["tester/tiny-FP8-Block"]
+    assert failed["status"] == "failed" and "500" in failed["error"] and "re-run" in failed["error"]
+    assert "tiny-FP8-Block" not in (tmp_path / "overlay.toml").read_text()
+    puts = sum(1 for m, p in hub.requests if m == "PUT")
+    proc = publish(tmp_path, hub, *args)  # the re-run resumes: the weights were already uploaded
+    assert proc.returncode == 0, proc.stderr
+    assert results(proc)["tester/tiny-FP8-Block"]["status"] == "uploaded"
+    assert sum(1 for m, p in hub.requests if m == "PUT") == puts
+    assert "tiny-FP8-Block" in (tmp_path / "overlay.toml").read_text()
+
+
+def test_foreign_repo_needs_force(tmp_path, hub, src):
+    hub.add_repo("tester/tiny-FP8-Dynamic", {"README.md": b"someone else's model"})
+    args = [src, "--base-model", "org/tiny", "--scheme", "dynamic", "--json"]
+    proc = publish(tmp_path, hub, *args)
+    assert proc.returncode == 1 and "--force" in results(proc)["tester/tiny-FP8-Dynamic"]["error"]
+    assert hub.file("tester/tiny-FP8-Dynamic", "README.md") == b"someone else's model"
+    proc = publish(tmp_path, hub, *args, "--force")
+    assert proc.returncode == 0 and b"fp8kit" in hub.file("tester/tiny-FP8-Dynamic", "README.md")
+
+
+def test_max_kl_rejects_and_plan_goes_on_past_failures(tmp_path, hub, src):
+    plan = tmp_path / "plan.toml"
+    plan.write_text(f'''
+max_kl = 1e-9
+[[model]]
+src = "{src}"
+base_model = "org/tiny"
+schemes = ["dynamic"]
+
+[[model]]
+src = "{tmp_path / 'missing'}"
+base_model = "org/missing"
+schemes = ["block"]
+''')
+    proc = publish(tmp_path, hub, "--plan", plan, "--json")
+    assert proc.returncode == 1
+    out = json.loads(proc.stdout)
+    assert [r["status"] for r in out] == ["rejected", "failed"]
+    assert "--max-kl" in out[0]["error"] and "missing" in out[1]["error"]
+    assert not any("/commit/" in p for m, p in hub.requests)
