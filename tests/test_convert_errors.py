@@ -173,7 +173,9 @@ def test_disk_full_while_writing(llama_dir, tmp_path):
     assert_clean_failure(proc.returncode, err, out, "model.safetensors", "cannot write")
 
 
-def test_interrupt_removes_partial_output(tmp_path):
+def stop_mid_conversion(tmp_path, sig):
+    """Start a conversion big enough to catch in flight, freeze it once its temporary folder exists,
+    send `sig`, let it run on; returns (process, its stderr, OUT)."""
     src = build_checkpoint(tmp_path / "src", "llama", torch.float32, seed=0, hidden_size=1024,
                            intermediate_size=4096, num_hidden_layers=6, vocab_size=1024)
     out = tmp_path / "out"
@@ -181,11 +183,17 @@ def test_interrupt_removes_partial_output(tmp_path):
     deadline = time.time() + 60
     while not leftovers(out) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.002)
-    os.kill(proc.pid, signal.SIGSTOP)  # hold it mid-conversion, then interrupt
-    assert leftovers(out), "conversion finished before it could be interrupted"
-    os.kill(proc.pid, signal.SIGINT)
+    os.kill(proc.pid, signal.SIGSTOP)
+    assert leftovers(out), "conversion finished before it could be stopped"
+    os.kill(proc.pid, sig)
     os.kill(proc.pid, signal.SIGCONT)
     _, err = proc.communicate(timeout=60)
+    return proc, err, out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_removes_partial_output(tmp_path, sig):
+    proc, err, out = stop_mid_conversion(tmp_path, sig)
     assert proc.returncode == 130
     assert "interrupted" in err
     assert not out.exists() and not leftovers(out)
@@ -263,20 +271,3 @@ def test_fused_experts_without_weight_suffix_refused(tmp_path, llama_dir):
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "out"
     assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "experts.gate_up_proj", "3-D")
-
-
-def test_sigterm_removes_partial_output(tmp_path):
-    src = build_checkpoint(tmp_path / "src", "llama", torch.float32, seed=0, hidden_size=1024,
-                           intermediate_size=4096, num_hidden_layers=6, vocab_size=1024)
-    out = tmp_path / "out"
-    proc = cli_process(src, out, "--scheme", "tensor")
-    deadline = time.time() + 60
-    while not leftovers(out) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.002)
-    os.kill(proc.pid, signal.SIGSTOP)
-    assert leftovers(out), "conversion finished before it could be stopped"
-    os.kill(proc.pid, signal.SIGTERM)
-    os.kill(proc.pid, signal.SIGCONT)
-    proc.communicate(timeout=60)
-    assert proc.returncode != 0
-    assert not out.exists() and not leftovers(out)
