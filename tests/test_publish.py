@@ -157,3 +157,14 @@ schemes = ["block"]
     assert [r["status"] for r in out] == ["rejected", "failed"]
     assert "--max-kl" in out[0]["error"] and "missing" in out[1]["error"]
     assert not any("/commit/" in p for m, p in hub.requests)
+
+
+def test_create_pr_opens_a_pull_request_and_leaves_main(tmp_path, hub, src):
+    hub.add_repo("tester/tiny-FP8-Dynamic", {"fp8kit.json": b"{}"})
+    proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "dynamic", "--create-pr", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = results(proc)["tester/tiny-FP8-Dynamic"]
+    assert result["status"] == "uploaded" and result["url"].endswith("/tester/tiny-FP8-Dynamic/discussions/1")
+    assert "model.safetensors" not in hub.repos["tester/tiny-FP8-Dynamic"]["files"]  # main untouched
+    assert "model.safetensors" in hub.repos["tester/tiny-FP8-Dynamic@pr1"]["files"]
+    assert not (tmp_path / "overlay.toml").exists()  # registered once the PR is merged and published again
