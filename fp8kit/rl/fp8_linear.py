@@ -1,0 +1,141 @@
+"""A frozen FP8 Linear with a trainable LoRA: the training half of FP8 RL.
+
+The base weight stays float8_e4m3fn with its scale; activations are quantized the way vLLM quantizes
+them for the same checkpoint (per token for per-channel weights, per 1x128 group for 128x128 blocks,
+per tensor for per-tensor weights), so the trainer and the rollout engine compute the same function up to
+accumulation order. Every backend, the CPU one included, quantizes activations identically; the backends
+differ only in how the FP8 product is computed. Backward produces gradients for the input and the LoRA
+parameters only; the base weight is dequantized transiently for the input gradient and never kept.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+GROUP = 128
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for dynamic activation scales (fp8_utils)
+BACKENDS = ("reference", "torch")
+
+
+def quantize_activation(x: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8 [M, K], float32 scale): [M, 1] per token, [M, K/128] per group, [1] per tensor."""
+    xf = x.float()
+    if scheme == "dynamic":
+        scale = xf.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    elif scheme == "block":
+        scale = xf.reshape(x.shape[0], -1, GROUP).abs().amax(dim=2) / FP8_MAX
+    else:
+        scale = xf.abs().amax().reshape(1) / FP8_MAX
+    scale = scale.clamp_min(MIN_SCALE)
+    if scheme == "block":
+        q = (xf.reshape(x.shape[0], -1, GROUP) / scale[:, :, None]).reshape(x.shape)
+    else:
+        q = xf / scale
+    return q.clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:
+    w = weight.to(dtype)
+    if scheme == "block":
+        s = scale.to(dtype).repeat_interleave(GROUP, 0)[: w.shape[0]].repeat_interleave(GROUP, 1)[:, : w.shape[1]]
+        return w * s
+    return w * scale.to(dtype).reshape(-1, 1) if scale.numel() > 1 else w * scale.to(dtype)
+
+
+def _dequantize_activation(q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
+    if scheme == "block":
+        return (q.float().reshape(q.shape[0], -1, GROUP) * scale[:, :, None]).reshape(q.shape)
+    return q.float() * scale
+
+
+def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, scheme: str,
+               out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """(xq * xs) @ (weight * ws).T with FP8 operands; float32 accumulation in every backend."""
+    if backend == "reference":
+        return (_dequantize_activation(xq, xs, scheme) @ dequantize_weight(weight, ws, scheme, torch.float32).t()
+                ).to(out_dtype)
+    if scheme == "block":
+        # cuBLAS block scaling wants the scales in outer-dim-major layout (torch's test_scaled_matmul_cuda).
+        return F.scaled_mm(xq, weight.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+                           ws.t().contiguous().t(), F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    if scheme == "dynamic":
+        return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=ws.reshape(1, -1), out_dtype=out_dtype)
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs.reshape(()), scale_b=ws.reshape(()), out_dtype=out_dtype)
+
+
+def pick_backend(device: torch.device, requested: str | None = None) -> str:
+    """FP8KIT_BACKEND or the argument wins; otherwise torch's scaled_mm on SM89+ GPUs, the reference elsewhere."""
+    requested = requested or os.environ.get("FP8KIT_BACKEND")
+    if requested:
+        if requested not in BACKENDS:
+            from fp8kit.errors import Fp8kitError
+
+            raise Fp8kitError(f"backend {requested!r}: expected one of {', '.join(BACKENDS)}")
+        return requested
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        return "torch"
+    return "reference"
+
+
+class _FP8MatMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, weight_scale, scheme, backend):
+        shape = x.shape
+        xq, xs = quantize_activation(x.reshape(-1, shape[-1]), scheme)
+        y = fp8_matmul(xq, xs, weight, weight_scale, scheme, x.dtype, backend)
+        ctx.save_for_backward(weight, weight_scale)
+        ctx.scheme = scheme
+        return y.reshape(*shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, weight_scale = ctx.saved_tensors
+        grad_in = None
+        if ctx.needs_input_grad[0]:  # the dequantized weight lives only for this product
+            grad_in = grad_out @ dequantize_weight(weight, weight_scale, ctx.scheme, grad_out.dtype)
+        return grad_in, None, None, None, None
+
+
+class FP8LoRALinear(nn.Module):
+    """y = fp8(x) @ fp8(W).T + b + dropout(x) @ A.T @ B.T * alpha / r, with W frozen in FP8."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, scheme: str, bias: torch.Tensor | None = None,
+                 rank: int = 16, alpha: float | None = None, dropout: float = 0.0, dtype: torch.dtype = torch.bfloat16,
+                 backend: str | None = None):
+        super().__init__()
+        if weight.dtype != FP8 or weight.ndim != 2:
+            raise ValueError(f"weight must be a 2-D float8_e4m3fn tensor, got {weight.dtype} {tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        self.scheme = scheme
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", weight_scale.float())
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.rank = rank
+        self.scaling = (alpha if alpha is not None else rank) / rank if rank else 0.0
+        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.backend = backend
+        if rank:
+            self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, dtype=dtype, device=weight.device))
+            self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=dtype, device=weight.device))
+            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # PEFT's default initialisation
+        else:
+            self.lora_A = self.lora_B = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        backend = self.backend or pick_backend(x.device)
+        y = _FP8MatMul.apply(x, self.weight, self.weight_scale, self.scheme, backend)
+        if self.bias is not None:
+            y = y + self.bias
+        if self.lora_A is not None:
+            y = y + (self.lora_dropout(x) @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}, rank={self.rank}"

@@ -1,0 +1,180 @@
+"""`load_fp8_model`: a transformers model whose quantized Linears are FP8LoRALinear, filled straight from
+an FP8 checkpoint (ours, llm-compressor's, or the `fp8` format of Qwen3-*-FP8).
+
+The architecture is built with its parameters on the meta device; every tensor is then placed from the
+safetensors files as it is read, so no full-precision copy of a quantized weight ever exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fp8kit.errors import Fp8kitError
+from fp8kit.rl.fp8_linear import FP8LoRALinear
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Parameters are created on the meta device, buffers (rotary tables) for real, as accelerate's
+    init_empty_weights(include_buffers=False) does."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _scheme(qc: dict) -> str:
+    from fp8kit.quality import scheme_of
+
+    try:
+        return scheme_of(qc)
+    except (KeyError, TypeError) as e:
+        raise Fp8kitError(f"unsupported quantization_config (quant_method {qc.get('quant_method')!r}); expected "
+                          f"FP8 compressed-tensors or fp8") from e
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    elif leaf in module._buffers:
+        module._buffers[leaf] = value
+    else:
+        raise Fp8kitError(f"checkpoint tensor {name!r} has no place in the model")
+
+
+def load_fp8_model(path_or_name: str | Path, dtype: torch.dtype = torch.bfloat16, lora_rank: int = 16,
+                   lora_alpha: float | None = None, target_modules: list[str] | tuple[str, ...] | None = None,
+                   lora_dropout: float = 0.0, device: str | torch.device = "cpu", backend: str | None = None):
+    """Returns the transformers causal LM with FP8 base weights and LoRA on `target_modules` (leaf names;
+    default every projection). A name goes through the registry (an FP8 upload, or a cached conversion)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise Fp8kitError(f"dtype {dtype}: expected torch.bfloat16, torch.float16 or torch.float32")
+    path = Path(path_or_name).expanduser()
+    if not path.is_dir():
+        from fp8kit.registry import ensure
+
+        path = ensure(str(path_or_name), "auto")
+    config = AutoConfig.from_pretrained(path)
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        raise Fp8kitError(f"{path}: not an FP8 checkpoint (no quantization_config); convert it with fp8-convert")
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    scheme = _scheme(qc)
+    del config.quantization_config
+    targets = set(target_modules or DEFAULT_TARGETS)
+    device = torch.device(device)
+
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    files = sorted(path.glob("*.safetensors"))
+    names: dict[str, Path] = {}
+    for f in files:
+        with safe_open(f, "pt") as sf:
+            names.update({k: f for k in sf.keys()})
+    scale_suffix = next((s for s in ("weight_scale_inv", "weight_scale") if any(k.endswith("." + s) for k in names)), None)
+    fp8_modules = {k[: -len(".weight")] for k in names if k.endswith(".weight")
+                   and names.get(k[: -len("weight")] + str(scale_suffix)) is not None}
+    for name in sorted(fp8_modules):
+        module = model.get_submodule(name)
+        if not isinstance(module, nn.Linear):
+            raise Fp8kitError(f"{path}: {name} is quantized in the checkpoint but is a {type(module).__name__} here")
+        with safe_open(names[name + ".weight"], "pt", device=str(device)) as sf:
+            weight = sf.get_tensor(name + ".weight")
+        with safe_open(names[f"{name}.{scale_suffix}"], "pt", device=str(device)) as sf:
+            scale = sf.get_tensor(f"{name}.{scale_suffix}")
+        bias = None
+        if module.bias is not None:
+            with safe_open(names[name + ".bias"], "pt", device=str(device)) as sf:
+                bias = sf.get_tensor(name + ".bias")
+        rank = lora_rank if name.rsplit(".", 1)[-1] in targets else 0
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf,
+                FP8LoRALinear(weight, scale, scheme, bias, rank=rank, alpha=lora_alpha, dropout=lora_dropout,
+                              dtype=dtype, backend=backend))
+    quantized_keys = {f"{m}.{leaf}" for m in fp8_modules for leaf in ("weight", scale_suffix, "bias")}
+    for f in files:
+        with safe_open(f, "pt", device=str(device)) as sf:
+            for key in sf.keys():
+                if key in quantized_keys or names[key] != f:
+                    continue
+                if re.search(r"\.(input_scale|weight_zero_point)$", key):
+                    continue
+                tensor = sf.get_tensor(key)
+                _set_tensor(model, key, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+    if getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise Fp8kitError(f"{path}: checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[0]}")
+    model.to(device)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.endswith(("lora_A", "lora_B")))
+    model.fp8_scheme = scheme
+    return model
+
+
+def lora_modules(model: nn.Module) -> dict[str, FP8LoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, FP8LoRALinear) and m.rank}
+
+
+def save_adapter(model: nn.Module, directory: str | Path, base_model_name_or_path: str = "") -> Path:
+    """PEFT's adapter layout (adapter_model.safetensors + adapter_config.json), readable by peft and vLLM."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    modules = lora_modules(model)
+    if not modules:
+        raise Fp8kitError("the model has no LoRA modules to save")
+    tensors = {}
+    for name, m in modules.items():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.detach().contiguous().cpu()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.detach().contiguous().cpu()
+    first = next(iter(modules.values()))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.rank, "lora_alpha": first.scaling * first.rank,
+              "lora_dropout": getattr(first.lora_dropout, "p", 0.0), "bias": "none", "fan_in_fan_out": False,
+              "target_modules": sorted({n.rsplit(".", 1)[-1] for n in modules}),
+              "base_model_name_or_path": base_model_name_or_path, "inference_mode": True}
+    tmp = directory.with_name(directory.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if directory.exists():
+        import shutil
+
+        shutil.rmtree(directory)
+    tmp.rename(directory)
+    return directory
+
+
+def load_adapter(model: nn.Module, directory: str | Path) -> None:
+    from safetensors.torch import load_file
+
+    tensors = load_file(Path(directory) / "adapter_model.safetensors")
+    modules = lora_modules(model)
+    for key, value in tensors.items():
+        m = re.fullmatch(r"base_model\.model\.(.+)\.(lora_[AB])(?:\.default)?\.weight", key)
+        if not m or m[1] not in modules:
+            raise Fp8kitError(f"{directory}: adapter tensor {key!r} matches no LoRA module of the model")
+        with torch.no_grad():
+            getattr(modules[m[1]], m[2]).copy_(value)

@@ -1,0 +1,146 @@
+"""FP8 base weights + LoRA: forward against transformers' compressed-tensors model, gradients against a
+float64 reference, loading without full-precision copies, and PEFT-compatible adapters."""
+
+import pytest
+import torch
+
+from fp8kit import convert
+from fp8kit.models import build_checkpoint
+from fp8kit.quality import load_causal_lm, quiet
+from fp8kit.rl import FP8LoRALinear, load_adapter, load_fp8_model, save_adapter
+from fp8kit.rl.fp8_linear import dequantize_weight, quantize_activation
+
+IDS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+# Both sides quantize activations and dequantize weights in float32; only summation order may differ.
+LOGIT_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def fp8_dirs(llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    return {s: convert(llama_dir, root / s, scheme=s).out for s in ("dynamic", "block", "tensor")}
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+def test_forward_equals_transformers_compressed_tensors(fp8_dirs, llama_dir, scheme):
+    with quiet(), torch.no_grad():
+        theirs = load_causal_lm(fp8_dirs[scheme], torch.float32)(input_ids=IDS).logits
+        ours_model = load_fp8_model(fp8_dirs[scheme], dtype=torch.float32, lora_rank=8)
+        ours = ours_model(input_ids=IDS).logits
+        source = load_causal_lm(llama_dir, torch.float32)(input_ids=IDS).logits
+    assert (ours - theirs).abs().max() <= LOGIT_ATOL
+    assert (ours - source).abs().max() > 100 * LOGIT_ATOL  # the comparison can tell FP8 from the source
+    assert ours_model.fp8_scheme == scheme
+
+
+def test_activation_quantization_matches_vllm_granularity():
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 2, 256)
+    for scheme, shape in [("dynamic", (4, 1)), ("block", (4, 2)), ("tensor", (1,))]:
+        q, s = quantize_activation(x, scheme)
+        assert q.dtype == torch.float8_e4m3fn and s.shape == shape and s.dtype == torch.float32
+        deq = (q.float().reshape(4, -1, 128) * s.reshape(4, -1, 1)).reshape(4, 256) if scheme == "block" else q.float() * s
+        # e4m3: half an ulp is 2^-4 of the value; subnormals step 2^-9 of the scale
+        bound = x.abs() * 2 ** -4 + (s.repeat_interleave(128, 1) if scheme == "block" else s) * 2 ** -10
+        assert ((deq - x).abs() <= bound * 1.0001).all()
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gradients_match_float64_reference(scheme, dtype):
+    g = torch.Generator().manual_seed(2)
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+
+    w_q, w_s = quantize_weight(torch.randn(256, 384, generator=g) * 0.05, SCHEMES[scheme], torch.float32)
+    layer = FP8LoRALinear(w_q, w_s, scheme, bias=torch.randn(256, generator=g), rank=8, alpha=16, dtype=dtype,
+                          backend="reference")
+    with torch.no_grad():
+        layer.lora_B.copy_(torch.randn(256, 8, generator=g) * 0.1)
+    x = (torch.randn(3, 5, 384, generator=g)).to(dtype).requires_grad_()
+    upstream = torch.randn(3, 5, 256, generator=g).to(dtype)
+    (layer(x) * upstream).sum().backward()
+
+    # float64 reference: the input gradient goes straight through the activation quantizer.
+    w = dequantize_weight(w_q, w_s, scheme, torch.float64)
+    x64 = x.detach().double().requires_grad_()
+    a64 = layer.lora_A.detach().double().requires_grad_()
+    b64 = layer.lora_B.detach().double().requires_grad_()
+    y64 = x64 @ w.t() + (x64 @ a64.t() @ b64.t()) * layer.scaling
+    (y64 * upstream.double()).sum().backward()
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    for got, ref in [(x.grad, x64.grad), (layer.lora_A.grad, a64.grad), (layer.lora_B.grad, b64.grad)]:
+        assert got.dtype == dtype
+        err = (got.double() - ref).norm() / ref.norm()
+        assert err < rtol, (scheme, dtype, float(err))
+    assert layer.weight.grad is None and not layer.weight.requires_grad
+
+
+def test_loading_keeps_weights_fp8_and_only_lora_trains(fp8_dirs):
+    model = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.bfloat16, lora_rank=4)
+    fp8 = [m for m in model.modules() if isinstance(m, FP8LoRALinear)]
+    assert len(fp8) == 14 and all(m.weight.dtype == torch.float8_e4m3fn for m in fp8)
+    assert not any(isinstance(m, torch.nn.Linear) and "layers" in n for n, m in model.named_modules())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
+    # No parameter or buffer holds a full-precision copy of a quantized weight.
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.ndim == 2 and t.is_floating_point() and t.dtype != torch.float8_e4m3fn and "weight_scale" not in name:
+            assert "lora_" in name or "embed" in name or "lm_head" in name, name
+    loss = model(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if n.endswith("lora_A"))
+
+
+def test_fp8_format_and_llmcompressor_checkpoints(llama_dir, tmp_path):
+    # From a float32 source both formats hold float32 scales, hence the same FP8 bytes.
+    src = build_checkpoint(tmp_path / "src32", "llama", torch.float32, seed=1)
+    out = convert(src, tmp_path / "fp8", scheme="block", format="fp8").out
+    with quiet(), torch.no_grad():
+        theirs = load_causal_lm(convert(src, tmp_path / "ct", scheme="block").out, torch.float32)(input_ids=IDS).logits
+    model = load_fp8_model(out, dtype=torch.float32, lora_rank=0)
+    assert model.model.layers[0].mlp.up_proj.weight_scale.shape == (4, 2)  # from weight_scale_inv
+    with torch.no_grad():
+        assert (model(input_ids=IDS).logits - theirs).abs().max() <= LOGIT_ATOL
+
+    from test_against_llmcompressor import oneshot_fp8
+
+    ref = oneshot_fp8(llama_dir, tmp_path / "llmc", "FP8_DYNAMIC")
+    ours = load_fp8_model(convert(llama_dir, tmp_path / "ours", scheme="dynamic").out, dtype=torch.float32)
+    theirs = load_fp8_model(ref, dtype=torch.float32)
+    theirs.load_state_dict(ours.state_dict())  # same LoRA init, so equal outputs mean equal base weights
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=IDS).logits, theirs(input_ids=IDS).logits)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma3"])
+def test_other_architectures(tmp_path, arch):
+    src = build_checkpoint(tmp_path / "src", arch, torch.bfloat16, seed=3)
+    out = convert(src, tmp_path / "out", scheme="dynamic").out
+    with quiet(), torch.no_grad():
+        theirs = load_causal_lm(out, torch.float32)(input_ids=IDS).logits
+        ours = load_fp8_model(out, dtype=torch.float32)(input_ids=IDS).logits
+    assert (ours - theirs).abs().max() <= LOGIT_ATOL
+
+
+def test_adapter_round_trips_through_peft(fp8_dirs, llama_dir, tmp_path):
+    from peft import PeftModel
+
+    model = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4, lora_alpha=8)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("lora_B"):
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(llama_dir))
+    with quiet():
+        base = load_causal_lm(llama_dir, torch.float32)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    for name, module in peft_model.base_model.model.named_modules():
+        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+            ours = model.get_submodule(name)
+            assert torch.equal(module.lora_A["default"].weight, ours.lora_A)
+            assert torch.equal(module.lora_B["default"].weight, ours.lora_B)
+            assert module.scaling["default"] == ours.scaling
+    peft_model.save_pretrained(tmp_path / "from-peft")
+    fresh = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4, lora_alpha=8)
+    load_adapter(fresh, tmp_path / "from-peft")
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=IDS).logits, model(input_ids=IDS).logits)
