@@ -21,7 +21,10 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for dynamic activation scales (fp8_utils)
-BACKENDS = ("reference", "torch")
+# reference: dequantize and multiply (any device, the CPU path); torch: torch's scaled_mm GEMMs with the
+# activation quantized by torch ops; triton: the same GEMMs with the activation quantized by one fused
+# Triton kernel (per-tensor activations fall back to torch ops).
+BACKENDS = ("reference", "torch", "triton")
 
 
 def quantize_activation(x: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,9 +65,10 @@ def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, ws: tor
         return (_dequantize_activation(xq, xs, scheme) @ dequantize_weight(weight, ws, scheme, torch.float32).t()
                 ).to(out_dtype)
     if scheme == "block":
-        # cuBLAS block scaling wants the scales in outer-dim-major layout (torch's test_scaled_matmul_cuda).
+        # cuBLAS block scaling wants outer-dim-major scales: activation scales [M, K/128] with strides (1, M),
+        # weight scales as [K/128, N/128] with strides (1, K/128), i.e. ws.t() (checked on an H200).
         return F.scaled_mm(xq, weight.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128,
-                           ws.t().contiguous().t(), F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+                           ws.t(), F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
     if scheme == "dynamic":
         return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=ws.reshape(1, -1), out_dtype=out_dtype)
     return torch._scaled_mm(xq, weight.t(), scale_a=xs.reshape(()), scale_b=ws.reshape(()), out_dtype=out_dtype)
@@ -80,7 +84,12 @@ def pick_backend(device: torch.device, requested: str | None = None) -> str:
             raise Fp8kitError(f"backend {requested!r}: expected one of {', '.join(BACKENDS)}")
         return requested
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
-        return "torch"
+        try:
+            import triton  # noqa: F401
+
+            return "triton"
+        except ImportError:
+            return "torch"
     return "reference"
 
 
@@ -88,7 +97,13 @@ class _FP8MatMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, weight_scale, scheme, backend):
         shape = x.shape
-        xq, xs = quantize_activation(x.reshape(-1, shape[-1]), scheme)
+        x2 = x.reshape(-1, shape[-1])
+        if backend == "triton" and scheme != "tensor":
+            from fp8kit.rl.triton_quant import quantize_activation_triton
+
+            xq, xs = quantize_activation_triton(x2.contiguous(), scheme)
+        else:
+            xq, xs = quantize_activation(x2, scheme)
         y = fp8_matmul(xq, xs, weight, weight_scale, scheme, x.dtype, backend)
         ctx.save_for_backward(weight, weight_scale)
         ctx.scheme = scheme
@@ -133,8 +148,10 @@ class FP8LoRALinear(nn.Module):
         y = _FP8MatMul.apply(x, self.weight, self.weight_scale, self.scheme, backend)
         if self.bias is not None:
             y = y + self.bias
-        if self.lora_A is not None:
-            y = y + (self.lora_dropout(x) @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
+        if self.lora_A is not None:  # one addmm adds the LoRA product into y: no extra pass over y
+            x2 = self.lora_dropout(x).reshape(-1, self.in_features)
+            y = torch.addmm(y.reshape(-1, self.out_features), x2 @ self.lora_A.t(), self.lora_B.t(),
+                            alpha=self.scaling).reshape(y.shape)
         return y
 
     def extra_repr(self) -> str:

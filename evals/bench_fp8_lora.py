@@ -1,0 +1,162 @@
+"""LoRA training step on frozen FP8 weights against frozen BF16 weights, side by side in one run (GPU).
+
+A stack of Qwen3-8B-shaped decoder layers (hidden 4096, MLP 12288, 32 heads, 8 KV heads, head dim 128),
+LoRA rank 32 on every projection; forward + backward of a batch, tokens/s and peak memory, for BF16 and for
+FP8 with each backend and scheme. Writes evals/results/fp8_lora.json.
+
+    python evals/bench_fp8_lora.py [--layers 4] [--batch 4] [--seq 2048] [--out evals/results/fp8_lora.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, vocab_size=1024, max_position_embeddings=4096, tie_word_embeddings=True)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class BF16LoRALinear(nn.Module):
+    """The baseline: frozen BF16 weight, the same LoRA as FP8LoRALinear."""
+
+    def __init__(self, linear: nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+        self.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, dtype=linear.weight.dtype, device=linear.weight.device))
+        self.lora_B = nn.Parameter(torch.zeros(linear.out_features, rank, dtype=linear.weight.dtype, device=linear.weight.device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.scaling = alpha / rank
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight) + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
+
+
+def build(layers: int, variant: str, rank: int):
+    from transformers import Qwen3Config, Qwen3Model
+
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+    from fp8kit.rl import FP8LoRALinear
+
+    torch.manual_seed(0)
+    config = Qwen3Config(num_hidden_layers=layers, **QWEN3_8B)
+    config._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = Qwen3Model(config).to(torch.bfloat16)
+    for name, module in list(model.named_modules()):
+        if name.rsplit(".", 1)[-1] not in PROJECTIONS:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        if variant == "bf16":
+            new = BF16LoRALinear(module, rank, 2 * rank)
+        else:
+            scheme, backend = variant.split("/")
+            q, s = quantize_weight(module.weight.detach(), SCHEMES[scheme], torch.float32)
+            new = FP8LoRALinear(q, s, scheme, rank=rank, alpha=2 * rank, dtype=torch.bfloat16, backend=backend)
+        setattr(model.get_submodule(parent), leaf, new)
+        del module
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    torch.cuda.empty_cache()
+    return model
+
+
+def weight_bytes(model) -> int:
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if any(f".{p}." in f".{name}" for p in PROJECTIONS) and "lora_" not in name:
+            total += t.numel() * t.element_size()
+    return total
+
+
+def measure(variant: str, args) -> dict:
+    model = build(args.layers, variant, args.rank)
+    weights = weight_bytes(model)
+    x = torch.randn(args.batch, args.seq, QWEN3_8B["hidden_size"], device="cuda", dtype=torch.bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+
+    def step():
+        out = model(inputs_embeds=x).last_hidden_state
+        loss = out.float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / args.steps
+    row = {"tokens_per_s": args.batch * args.seq / seconds, "step_ms": seconds * 1e3,
+           "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "weight_gb": weights / 1e9}
+    del model, opt, params
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--variants", default="bf16,dynamic/torch,dynamic/triton,block/torch,block/triton,tensor/torch")
+    ap.add_argument("--out", default=str(ROOT / "evals/results/fp8_lora.json"))
+    args = ap.parse_args()
+    import transformers
+    import triton
+
+    rows = {}
+    for variant in args.variants.split(","):
+        try:
+            rows[variant] = measure(variant, args)
+        except Exception as e:  # noqa: BLE001 - a backend that fails is reported, not fatal
+            rows[variant] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            torch.cuda.empty_cache()
+        print(variant, rows[variant], flush=True)
+    base = rows["bf16"]
+    fp8 = {k: v for k, v in rows.items() if k != "bf16" and "tokens_per_s" in v}
+    best = max(fp8, key=lambda k: fp8[k]["tokens_per_s"])
+    for v in fp8.values():
+        v["speedup_vs_bf16"] = v["tokens_per_s"] / base["tokens_per_s"]
+        v["peak_memory_ratio_vs_bf16"] = v["peak_memory_gb"] / base["peak_memory_gb"]
+        v["weight_memory_ratio"] = v["weight_gb"] / base["weight_gb"]
+    report = {
+        "gpu": torch.cuda.get_device_name(0),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "triton": triton.__version__,
+                     "python": platform.python_version()},
+        "command": "python evals/bench_fp8_lora.py " + " ".join(sys.argv[1:]),
+        "config": {**QWEN3_8B, "layers": args.layers, "batch": args.batch, "seq": args.seq, "lora_rank": args.rank,
+                   "lora_targets": list(PROJECTIONS), "optimizer": "AdamW on LoRA", "steps": args.steps},
+        "best_backend": best,
+        "speedup_vs_bf16": fp8[best]["speedup_vs_bf16"],
+        "weight_memory_ratio": fp8[best]["weight_memory_ratio"],
+        "peak_memory_ratio_vs_bf16": fp8[best]["peak_memory_ratio_vs_bf16"],
+        "results": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: report[k] for k in ("best_backend", "speedup_vs_bf16", "weight_memory_ratio",
+                                             "peak_memory_ratio_vs_bf16")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The CUDA backends of FP8LoRALinear compute the reference backend's function."""
+
+import pytest
+import torch
+
+from fp8kit.converter.schemes import SCHEMES, quantize_weight
+from fp8kit.rl import FP8LoRALinear, load_fp8_model
+from fp8kit.rl.fp8_linear import quantize_activation
+
+pytestmark = pytest.mark.gpu
+
+
+def layer(scheme, backend, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w_q, w_s = quantize_weight(torch.randn(1024, 2048, generator=g) * 0.02, SCHEMES[scheme], torch.float32)
+    m = FP8LoRALinear(w_q, w_s, scheme, rank=16, alpha=32, dtype=torch.bfloat16, backend=backend)
+    with torch.no_grad():
+        m.lora_A.copy_(torch.randn(16, 2048, generator=g) * 0.02)
+        m.lora_B.copy_(torch.randn(1024, 16, generator=g) * 0.02)
+    return m.cuda()
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "block"])
+def test_triton_quantizer_writes_torch_bytes(scheme):
+    x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16) * 3
+    from fp8kit.rl.triton_quant import quantize_activation_triton
+
+    q1, s1 = quantize_activation_triton(x, scheme)
+    q2, s2 = quantize_activation(x, scheme)
+    assert torch.equal(s1, s2)
+    assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_backends_match_reference(scheme, backend):
+    x = (torch.randn(4, 256, 2048, device="cuda") * 2).to(torch.bfloat16)
+    ref_layer, gpu_layer = layer(scheme, "reference"), layer(scheme, backend)
+    xr, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, yg = ref_layer(xr), gpu_layer(xg)
+    # same FP8 operands; float32 accumulation in another order, then one bf16 rounding
+    assert ((yg.float() - yr.float()).norm() / yr.float().norm()) < 5e-3
+    up = torch.randn_like(yr)
+    (yr * up).sum().backward()
+    (yg * up).sum().backward()
+    for a, b in [(xg.grad, xr.grad), (gpu_layer.lora_A.grad, ref_layer.lora_A.grad)]:
+        assert ((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+
+
+def test_loaded_model_on_cuda(tmp_path, llama_dir):
+    from fp8kit import convert
+
+    out = convert(llama_dir, tmp_path / "fp8", scheme="dynamic").out
+    ids = torch.randint(0, 512, (2, 64))
+    cpu = load_fp8_model(out, dtype=torch.float32, lora_rank=4)
+    gpu = load_fp8_model(out, dtype=torch.float32, lora_rank=4, device="cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    with torch.no_grad():
+        a, b = cpu(input_ids=ids).logits, gpu(input_ids=ids.cuda()).logits.cpu()
+    # Activation quantization is discontinuous: a last-bit difference upstream (GPU vs CPU kernels) moves some
+    # activations to the next FP8 value (6% steps), which this small random model amplifies to ~3% of the
+    # logits (measured on an H200 with the reference backend on both sides); a broken load is off by ~100%.
+    assert (a - b).norm() / a.norm() < 0.1
