@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import sys
 import warnings
@@ -193,7 +194,7 @@ def publish(src, base_model, schemes, repo_template, org, private, create_pr, ma
         for job in jobs:
             try:
                 results += run(**job, private=private, create_pr=create_pr, dry_run=dry_run, staging=staging,
-                               force=force)
+                               force=force, command=" ".join(["fp8kit", *map(shlex.quote, sys.argv[1:])]))
             except Fp8kitError as e:
                 if not plan_path:
                     raise
@@ -213,7 +214,7 @@ def publish(src, base_model, schemes, repo_template, org, private, create_pr, ma
             if r.status == "dry-run":
                 for name, n in r.files.items():
                     click.echo(f"    {name:<40} {n:>14,d} bytes")
-    if any(r.status == "failed" for r in results):
+    if any(r.status in ("failed", "rejected") for r in results):
         sys.exit(1)
 
 

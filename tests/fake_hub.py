@@ -157,6 +157,8 @@ class FakeHub:
                         item = json.loads(line)
                         if item["key"] == "file":
                             files[item["value"]["path"]] = hub._store(base64.b64decode(item["value"]["content"]))
+                        elif item["key"] == "deletedFile":
+                            files.pop(item["value"]["path"], None)
                         elif item["key"] == "lfsFile":
                             if not (hub.root / "lfs" / item["value"]["oid"]).exists():
                                 return self.error(422, "LFS object missing")

@@ -168,3 +168,51 @@ def test_create_pr_opens_a_pull_request_and_leaves_main(tmp_path, hub, src):
     assert "model.safetensors" not in hub.repos["tester/tiny-FP8-Dynamic"]["files"]  # main untouched
     assert "model.safetensors" in hub.repos["tester/tiny-FP8-Dynamic@pr1"]["files"]
     assert not (tmp_path / "overlay.toml").exists()  # registered once the PR is merged and published again
+
+
+def test_force_replaces_stale_weight_files(tmp_path, hub, src):
+    hub.add_repo("tester/tiny-FP8-Dynamic", {"model-00001-of-00002.safetensors": b"old shard",
+                                             "model.safetensors.index.json": b"{}", "notes.txt": b"keep"})
+    proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "dynamic", "--force", "--json")
+    assert proc.returncode == 0, proc.stderr
+    files = hub.repos["tester/tiny-FP8-Dynamic"]["files"]
+    assert "model-00001-of-00002.safetensors" not in files and "model.safetensors.index.json" not in files
+    assert "model.safetensors" in files and "notes.txt" in files
+
+
+def test_bad_base_model_is_refused_before_any_work(tmp_path, hub, src):
+    proc = publish(tmp_path, hub, src, "--base-model", "tiny", "--scheme", "dynamic")
+    assert proc.returncode == 1 and "--base-model 'tiny'" in proc.stderr
+    assert not (tmp_path / "fp8cache").exists() and hub.requests == []
+
+
+def test_dry_runs_reuse_the_cache_and_keep_it_intact(tmp_path, src, monkeypatch):
+    from fp8kit.hub import publish as publish_api
+
+    monkeypatch.setenv("FP8KIT_CACHE", str(tmp_path / "fp8cache"))
+    monkeypatch.setenv("FP8KIT_REGISTRY", str(tmp_path / "overlay.toml"))
+    for _ in range(2):
+        [result] = publish_api(str(src), ["dynamic"], base_model="org/tiny", org="me", dry_run=True,
+                               staging=tmp_path / "staging")
+        assert result.status == "dry-run"
+    assert len((tmp_path / "fp8cache" / "conversions.log").read_text().splitlines()) == 1
+    entry = next(p for p in (tmp_path / "fp8cache").glob("*/*/dynamic-*") if p.is_dir())
+    assert (entry / "README.md").read_text() == SOURCE_CARD  # the card was not written through a hard link
+    card = (tmp_path / "staging" / "me--tiny-FP8-Dynamic" / "README.md").read_text()
+    assert f"fp8kit publish {src} --base-model org/tiny --scheme dynamic" in card  # not the host's argv
+
+
+def test_validation_failure_is_one_line_and_the_plan_goes_on(tmp_path, hub, src):
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["model_type"] = "notamodel"
+    (broken / "config.json").write_text(json.dumps(config))
+    plan = tmp_path / "plan.toml"
+    plan.write_text(f'[[model]]\nsrc = "{broken}"\nbase_model = "org/broken"\nschemes = ["dynamic"]\n'
+                    f'[[model]]\nsrc = "{src}"\nbase_model = "org/tiny"\nschemes = ["dynamic"]\n')
+    proc = publish(tmp_path, hub, "--plan", plan, "--json", "--dry-run", "--org", "me", token=None)
+    out = json.loads(proc.stdout)
+    assert [r["status"] for r in out] == ["failed", "dry-run"]
+    assert "notamodel" in out[0]["error"] and "\n" not in out[0]["error"]
+    assert "Traceback" not in proc.stderr

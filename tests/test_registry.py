@@ -204,3 +204,35 @@ def test_ensure_converts_once_even_when_raced(tmp_path, llama_dir):
     result = runner.invoke(main, ["cache", "rm", "fp8kit-test/tiny-llama"])
     assert result.exit_code == 0 and not entry.exists()
     assert json.loads(runner.invoke(main, ["cache", "list", "--json"]).stdout) == []
+
+
+def test_local_directory_is_never_answered_from_the_catalog(tmp_path, llama_dir, monkeypatch):
+    local = tmp_path / "Qwen" / "Qwen3-8B"
+    shutil.copytree(llama_dir, local)
+    monkeypatch.chdir(tmp_path)
+    answer = resolve("Qwen/Qwen3-8B", "dynamic")
+    assert answer.repo_id is None and answer.source == "convert"
+
+
+def test_cache_rm_all_removes_only_fp8kit_entries(tmp_path):
+    root = tmp_path / "fp8cache"
+    (root / "someone-else" / "data").mkdir(parents=True)
+    entry = root / "org--m" / COMMIT / "dynamic-compressed-tensors-fp8kit0.1.0"
+    entry.mkdir(parents=True)
+    (entry / "fp8kit-entry.json").write_text("not json")
+    listing = CliRunner().invoke(main, ["cache", "list", "--json"])
+    assert listing.exit_code == 0 and json.loads(listing.stdout)[0]["ok"] is False
+    result = CliRunner().invoke(main, ["cache", "rm", "--all"])
+    assert result.exit_code == 0
+    assert (root / "someone-else" / "data").exists() and not (root / "org--m").exists()
+
+
+def test_catalog_errors_count_commented_headers_and_reject_non_tables(tmp_path):
+    overlay = tmp_path / "overlay.toml"
+    overlay.write_text('[[variant]] # mine\nrepo_id = "a/b"\nfamily = "f"\nscheme = "int4"\nformat = "fp8"\n'
+                       'serves = ["dynamic"]\nbase = ["c/d"]\n')
+    with pytest.raises(Fp8kitError, match=f"{overlay}:1: scheme 'int4'"):
+        load()
+    overlay.write_text("variant = [1]\n")
+    with pytest.raises(Fp8kitError, match="must be a \\[\\[variant\\]\\] table"):
+        load()

@@ -144,3 +144,27 @@ def test_adapter_round_trips_through_peft(fp8_dirs, llama_dir, tmp_path):
     load_adapter(fresh, tmp_path / "from-peft")
     with torch.no_grad():
         assert torch.equal(fresh(input_ids=IDS).logits, model(input_ids=IDS).logits)
+
+
+def test_adapter_config_is_honoured(fp8_dirs, tmp_path):
+    from fp8kit.errors import Fp8kitError
+
+    model = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4, lora_alpha=32)
+    save_adapter(model, tmp_path / "a")
+    fresh = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4)  # default alpha = r
+    load_adapter(fresh, tmp_path / "a")
+    assert {m.scaling for m in fresh.modules() if isinstance(m, FP8LoRALinear)} == {8.0}
+    other_rank = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=1)
+    with pytest.raises(Fp8kitError, match="shape"):
+        load_adapter(other_rank, tmp_path / "a")
+    save_adapter(model, tmp_path / "a")  # replacing an adapter leaves no temporary folders
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_fused_moe_experts_are_reported(tmp_path):
+    from fp8kit.errors import Fp8kitError
+
+    src = build_checkpoint(tmp_path / "src", "qwen3_moe", torch.bfloat16, seed=4)
+    out = convert(src, tmp_path / "out", scheme="dynamic").out
+    with pytest.raises(Fp8kitError, match="MoE"):
+        load_fp8_model(out, dtype=torch.float32)

@@ -13,7 +13,6 @@ import json
 import os
 import shlex
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -78,9 +77,18 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt", "*.pth"]
+
+
 def _identical_on_hub(api, repo_id: str, staging: Path) -> bool:
-    """True when every staged file is already in the repo with the same content (LFS sha256 or git blob id)."""
+    """True when every staged file is already in the repo with the same content (LFS sha256 or git blob id)
+    and the repo holds no other weight files (a stale shard or index would be loaded with ours)."""
     names = sorted(p.name for p in staging.iterdir() if p.is_file())
+    from fnmatch import fnmatch
+
+    extra = [f for f in api.list_repo_files(repo_id) if f not in names and any(fnmatch(f, p) for p in WEIGHT_PATTERNS)]
+    if extra:
+        return False
     remote = {info.path: info for info in api.get_paths_info(repo_id, names, expand=False)}
     for name in names:
         info = remote.get(name)
@@ -99,9 +107,10 @@ def _stage(conversion: Path, staging: Path, card, provenance: dict) -> dict:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     for p in sorted(conversion.iterdir()):
-        if p.is_file() and not p.name.startswith("fp8kit-entry"):
+        # the card and provenance are written fresh: a hard link would let them overwrite the cache's files
+        if p.is_file() and not p.name.startswith("fp8kit-entry") and p.name not in ("README.md", PROVENANCE):
             try:
-                os.link(p, staging / p.name)  # the cache and the staging folder share the bytes
+                os.link(p, staging / p.name)  # the cache and the staging folder share the weight bytes
             except OSError:
                 shutil.copyfile(p, staging / p.name)
     card.save(staging / "README.md")
@@ -132,10 +141,14 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     from fp8kit.hub.validate import validate
     from fp8kit.registry.cache import cached_conversion
 
+    from fp8kit.registry.catalog import REPO_ID
+
     local = Path(src).expanduser().is_dir()
     if local and not base_model:
         raise Fp8kitError(f"{src}: a local SRC needs --base-model ORG/NAME (it names the source on the card)")
     base_model = base_model or src.partition("@")[0]
+    if not REPO_ID.match(base_model):
+        raise Fp8kitError(f"--base-model {base_model!r}: expected a Hub repo id ORG/NAME")
     for scheme in schemes:
         if scheme not in SCHEME_FORMAT:
             raise Fp8kitError(f"--scheme {scheme!r}: expected dynamic, block or tensor")
@@ -156,7 +169,10 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     src_dir = source.resolve(src)
     terms = source_terms(src_dir)
     staging_root = Path(staging) if staging else Path(tempfile.mkdtemp(prefix="fp8kit-publish-"))
-    command = command or "fp8kit publish " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    if command is None:  # from this call's own arguments, never from the host process's command line
+        command = shlex.join(["fp8kit", "publish", str(src), "--base-model", base_model]
+                             + [a for s in schemes for a in ("--scheme", s)] + ["--repo-template", repo_template]
+                             + (["--max-kl", f"{max_kl:g}"] if max_kl is not None else []))
     results = []
     for scheme in schemes:
         repo_id = repo_id_for(repo_template, org, base_model, scheme)
@@ -170,7 +186,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
             folder = staging_root / repo_id.replace("/", "--")
             files = _stage(conversion, folder, card, provenance)
             result = PublishResult(repo_id, scheme, "dry-run", metrics, files, str(folder))
-            if max_kl is not None and metrics["kl"] > max_kl:
+            if max_kl is not None and not metrics["kl"] <= max_kl:  # a NaN KL is rejected too
                 result.status, result.error = "rejected", f"KL {metrics['kl']:.3e} is over --max-kl {max_kl:g}"
             elif not dry_run:
                 _upload(api, result, folder, private, create_pr, force)
@@ -178,6 +194,9 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
                     _register(repo_id, scheme, fmt, base_model)
         except Fp8kitError as e:
             result = PublishResult(repo_id, scheme, "failed", error=str(e))
+        except Exception as e:  # noqa: BLE001 - e.g. transformers cannot load the model: one line, go on
+            first = (str(e).strip().splitlines() or [""])[0]
+            result = PublishResult(repo_id, scheme, "failed", error=f"{type(e).__name__}: {first}")
         results.append(result)
     return results
 
@@ -196,7 +215,9 @@ def _upload(api, result: PublishResult, folder: Path, private: bool, create_pr: 
                 result.status, result.url = "unchanged", f"{api.endpoint}/{repo_id}"
                 return
         _with_retries(lambda: api.create_repo(repo_id, private=private, exist_ok=True))
+        # Weight files of an earlier layout (other shard counts, an index) are deleted in the same commit.
         info = _with_retries(lambda: api.upload_folder(repo_id=repo_id, folder_path=folder, create_pr=create_pr,
+                                                       delete_patterns=WEIGHT_PATTERNS,
                                                        commit_message=f"FP8 {result.scheme} variant (fp8kit)"))
     except Fp8kitError:
         raise

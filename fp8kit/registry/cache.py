@@ -120,7 +120,10 @@ def list_entries() -> list[dict]:
     for marker in sorted(root.glob(f"*/*/*/{MARKER}")):
         entry = marker.parent
         size = sum(p.stat().st_size for p in entry.iterdir() if p.is_file())
-        info = json.loads(marker.read_text())
+        try:
+            info = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            info = {}
         rows.append({"name": info.get("name"), "scheme": info.get("scheme"), "format": info.get("format"),
                      "commit": entry.parent.name, "path": str(entry), "bytes": size, "ok": verify(entry)})
     return rows
@@ -129,10 +132,17 @@ def list_entries() -> list[dict]:
 def remove(name: str | None = None) -> list[Path]:
     """Delete the cached conversions of `name` (all of them when None)."""
     root = cache_root()
-    targets = [model_dir(name)] if name else [p for p in root.iterdir() if p.is_dir()] if root.exists() else []
+    if name:
+        targets = [model_dir(name)]
+    else:  # only folders fp8kit made: ones that hold a conversion marker or lock
+        targets = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink()
+                   and (any(p.glob(f"*/*/{MARKER}")) or any(p.glob("*/*.lock")))] if root.exists() else []
     removed = []
     for target in targets:
-        if target.exists():
+        if target.is_symlink():
+            target.unlink()
+            removed.append(target)
+        elif target.exists():
             shutil.rmtree(target)
             removed.append(target)
     return removed

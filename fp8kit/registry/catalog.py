@@ -49,11 +49,14 @@ def overlay_path() -> Path:
 
 
 def _entry_lines(text: str) -> list[int]:
-    return [i + 1 for i, line in enumerate(text.splitlines()) if line.strip().replace(" ", "") == "[[variant]]"]
+    return [i + 1 for i, line in enumerate(text.splitlines())
+            if line.split("#", 1)[0].strip().replace(" ", "") == "[[variant]]"]
 
 
 def _validate(raw: dict, path: Path, line: int, source: str) -> Variant:
     where = f"{path}:{line}"
+    if not isinstance(raw, dict):
+        raise Fp8kitError(f"{where}: each variant must be a [[variant]] table")
     for key, kind in FIELDS.items():
         if key not in raw:
             raise Fp8kitError(f"{where}: variant is missing '{key}'")

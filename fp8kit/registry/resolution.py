@@ -7,6 +7,7 @@ conversion.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict, dataclass
 
 from fp8kit.registry import catalog
@@ -56,9 +57,13 @@ def _answer(name: str, scheme: str, variant: Variant) -> Resolution:
 def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = None) -> Resolution:
     from fp8kit.registry.cache import known_commit, model_dir
 
+    from pathlib import Path
+
     scheme = resolve_scheme(scheme)
     variants = catalog.load() if variants is None else variants
     key = name.strip().lower()
+    if Path(name).expanduser().is_dir():  # a local checkpoint is converted, whatever its path looks like
+        variants = []
     for v in variants:
         if v.repo_id.lower() == key:  # already a variant: it is its own answer
             return _answer(v.repo_id, v.scheme if v.scheme in REQUESTS else scheme, v)
@@ -69,7 +74,8 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
     cache = model_dir(name) / (known_commit(name) or "<commit of main, fetched at conversion>") / entry_name(scheme)
     return Resolution(name=name, scheme=scheme, repo_id=None, format="compressed-tensors", source="convert",
                       family=matches[0].family if matches else None,
-                      convert_command=f"fp8-convert {name} {cache} --scheme {scheme}", cache_dir=str(cache))
+                      convert_command=shlex.join(["fp8-convert", name, str(cache), "--scheme", scheme]),
+                      cache_dir=str(cache))
 
 
 def entry_name(scheme: str, fmt: str = "compressed-tensors") -> str:

@@ -114,7 +114,9 @@ class _FP8MatMul(torch.autograd.Function):
         weight, weight_scale = ctx.saved_tensors
         grad_in = None
         if ctx.needs_input_grad[0]:  # the dequantized weight lives only for this product
-            grad_in = grad_out @ dequantize_weight(weight, weight_scale, ctx.scheme, grad_out.dtype)
+            # fp16 would flush small scaled weights to subnormals: dequantize in float32 first
+            dtype = torch.float32 if grad_out.dtype == torch.float16 else grad_out.dtype
+            grad_in = grad_out @ dequantize_weight(weight, weight_scale, ctx.scheme, dtype).to(grad_out.dtype)
         return grad_in, None, None, None, None
 
 

@@ -51,7 +51,11 @@ def _scheme(qc: dict) -> str:
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError as e:
+        raise Fp8kitError(f"checkpoint tensor {name!r} has no place in the model (fused MoE experts and extra "
+                          f"heads such as MTP layers are not supported by load_fp8_model yet)") from e
     if leaf in module._parameters:
         module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
     elif leaf in module._buffers:
@@ -96,7 +100,11 @@ def load_fp8_model(path_or_name: str | Path, dtype: torch.dtype = torch.bfloat16
     fp8_modules = {k[: -len(".weight")] for k in names if k.endswith(".weight")
                    and names.get(k[: -len("weight")] + str(scale_suffix)) is not None}
     for name in sorted(fp8_modules):
-        module = model.get_submodule(name)
+        try:
+            module = model.get_submodule(name)
+        except AttributeError as e:
+            raise Fp8kitError(f"{path}: quantized module {name} has no counterpart in the model (fused MoE experts "
+                              f"are not supported by load_fp8_model yet)") from e
         if not isinstance(module, nn.Linear):
             raise Fp8kitError(f"{path}: {name} is quantized in the checkpoint but is a {type(module).__name__} here")
         with safe_open(names[name + ".weight"], "pt", device=str(device)) as sf:
@@ -155,26 +163,53 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model_name_or_pat
               "lora_dropout": getattr(first.lora_dropout, "p", 0.0), "bias": "none", "fan_in_fan_out": False,
               "target_modules": sorted({n.rsplit(".", 1)[-1] for n in modules}),
               "base_model_name_or_path": base_model_name_or_path, "inference_mode": True}
-    tmp = directory.with_name(directory.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
-    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if directory.exists():
-        import shutil
+    import shutil
+    import tempfile
 
-        shutil.rmtree(directory)
-    tmp.rename(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if directory.exists():  # the old adapter stays whole until the new one is in place
+            old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
+            directory.rename(old)
+            tmp.rename(directory)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 
 def load_adapter(model: nn.Module, directory: str | Path) -> None:
+    """Load a PEFT LoRA adapter into the model's LoRA modules: ranks and shapes must match; the scaling
+    (lora_alpha / r) is taken from adapter_config.json."""
     from safetensors.torch import load_file
 
-    tensors = load_file(Path(directory) / "adapter_model.safetensors")
+    directory = Path(directory)
+    try:
+        config = json.loads((directory / "adapter_config.json").read_text())
+        tensors = load_file(directory / "adapter_model.safetensors")
+    except (OSError, ValueError) as e:
+        raise Fp8kitError(f"{directory}: not a readable PEFT adapter ({e})") from e
     modules = lora_modules(model)
+    seen = set()
     for key, value in tensors.items():
         m = re.fullmatch(r"base_model\.model\.(.+)\.(lora_[AB])(?:\.default)?\.weight", key)
         if not m or m[1] not in modules:
             raise Fp8kitError(f"{directory}: adapter tensor {key!r} matches no LoRA module of the model")
+        target = getattr(modules[m[1]], m[2])
+        if target.shape != value.shape:
+            raise Fp8kitError(f"{directory}: {key} has shape {tuple(value.shape)}, the model's is {tuple(target.shape)} "
+                              f"(adapter r={config.get('r')}, model r={modules[m[1]].rank})")
         with torch.no_grad():
-            getattr(modules[m[1]], m[2]).copy_(value)
+            target.copy_(value)
+        seen.add(m[1])
+    missing = sorted(set(modules) - seen)
+    if missing:
+        raise Fp8kitError(f"{directory}: the adapter has no weights for {len(missing)} LoRA modules, e.g. {missing[0]}")
+    scaling = config.get("lora_alpha", config.get("r")) / config["r"]
+    for name in seen:
+        modules[name].scaling = scaling

@@ -1,0 +1,158 @@
+"""vLLM serving throughput of fp8-convert checkpoints against BF16 and vLLM's own online FP8, one GPU.
+
+Makes a random-weight Qwen3-8B-shaped model on the GPU, converts it with fp8-convert to each scheme, and
+serves each variant in its own vLLM engine (a subprocess): output tokens/s for a workload of random
+prompt ids with fixed output lengths (ignore_eos), engine start time, and the weight memory vLLM reports.
+Work and results persist in --workdir, so a run can be split over several calls (--variants).
+
+    python evals/serve_bench.py --workdir /tmp/serve --variants bf16,dynamic --out serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODELS = {
+    "qwen3-8b": ("Qwen3Config", "Qwen3ForCausalLM",
+                 dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                      tie_word_embeddings=False, rope_theta=1000000.0)),
+    "llama-8b": ("LlamaConfig", "LlamaForCausalLM",
+                 dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                      tie_word_embeddings=False)),
+}
+WORKLOADS = {"short": (256, 128, 256), "long": (64, 2048, 512)}  # prompts, input tokens, output tokens
+# DeepGEMM / FlashInfer block GEMMs JIT-compile for minutes on a cold start (../shared/gpu/README.md):
+# block variants run on the CUTLASS block kernel.
+ENGINE_ENV = {"VLLM_USE_DEEP_GEMM": "0", "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"}
+
+
+def engine(path: str, workload: str, quantization: str | None) -> dict:
+    """Inside the subprocess: start the engine, run the workload once to warm up, then time it."""
+    import random
+
+    from vllm import LLM, SamplingParams
+
+    n, n_in, n_out = WORKLOADS[workload]
+    t0 = time.perf_counter()
+    llm = LLM(path, quantization=quantization, max_model_len=n_in + n_out + 16, gpu_memory_utilization=0.85,
+              skip_tokenizer_init=True, seed=0, max_num_seqs=256)
+    start_s = time.perf_counter() - t0
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(n_in)]} for _ in range(n)]
+    params = SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True, temperature=0.0, detokenize=False)
+    llm.generate(prompts[: min(n, 16)], SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False),
+                 use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tok_s": tokens / seconds, "seconds": seconds, "output_tokens": tokens, "engine_start_s": start_s}
+
+
+def run_engine(path: Path, workload: str, quantization: str | None) -> dict:
+    env = {**os.environ, **ENGINE_ENV}
+    cmd = [sys.executable, __file__, "--engine", str(path), "--workload", workload]
+    if quantization:
+        cmd += ["--quantization", quantization]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=560)
+    except subprocess.TimeoutExpired:
+        return {"error": "engine did not finish within 560 s"}
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        return {"error": [l for l in log.splitlines() if "Error" in l][-3:], "wall_s": time.perf_counter() - t0}
+    result = json.loads(log.split("@@RESULT@@")[1])
+    weights = re.findall(r"Model loading took ([\d.]+) GiB", log)
+    result["weight_gib"] = float(weights[-1]) if weights else None
+    result["kernels"] = sorted(set(re.findall(r"Selected (\w+) for (\w+)", log)))
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def build(workdir: Path, model: str) -> Path:
+    import torch
+    import transformers
+
+    src = workdir / model
+    if (src / "config.json").exists():
+        return src
+    config_cls, model_cls, shape = MODELS[model]
+    config = getattr(transformers, config_cls)(**shape)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        m = getattr(transformers, model_cls)(config).to(torch.bfloat16)
+    m.save_pretrained(src, max_shard_size="5GB")
+    del m
+    torch.cuda.empty_cache()
+    return src
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine")
+    ap.add_argument("--quantization")
+    ap.add_argument("--workload", default="short")
+    ap.add_argument("--model", default="qwen3-8b", choices=list(MODELS))
+    ap.add_argument("--workloads", default="short")
+    ap.add_argument("--variants", default="bf16,dynamic,block,tensor,vllm-online-fp8")
+    ap.add_argument("--workdir", default="/tmp/serve-bench")
+    ap.add_argument("--out", default=str(ROOT / "evals/results/serve.json"))
+    args = ap.parse_args()
+    if args.engine:
+        print("@@RESULT@@" + json.dumps(engine(args.engine, args.workload, args.quantization)) + "@@RESULT@@")
+        return
+
+    import torch
+    import vllm
+
+    from fp8kit import convert
+
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    src = build(workdir, args.model)
+    out = Path(args.out)
+    report = json.loads(out.read_text()) if out.exists() else {}
+    report.update({"gpu": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
+                   "python": platform.python_version(), "model": {"name": args.model, **MODELS[args.model][2]},
+                   "workloads": {k: dict(zip(("prompts", "input_tokens", "output_tokens"), v)) for k, v in WORKLOADS.items()},
+                   "engine_env": ENGINE_ENV})
+    report.setdefault("commands", []).append("python evals/serve_bench.py " + " ".join(sys.argv[1:]))
+    results = report.setdefault("runs", {})
+    for variant in args.variants.split(","):
+        if variant == "bf16":
+            path, quantization = src, None
+        elif variant == "vllm-online-fp8":
+            path, quantization = src, "fp8"
+        else:
+            path, quantization = workdir / f"{args.model}-{variant}", None
+            if not (path / "config.json").exists():
+                t0 = time.perf_counter()
+                convert(src, path, scheme=variant, device="cuda")
+                results.setdefault(f"{args.model}/convert", {})[variant] = {"seconds": time.perf_counter() - t0}
+        for workload in args.workloads.split(","):
+            key = f"{args.model}/{workload}/{variant}"
+            results[key] = run_engine(path, workload, quantization)
+            print(key, results[key], flush=True)
+            out.write_text(json.dumps(report, indent=2) + "\n")
+    short = {k.rsplit("/", 1)[1]: v for k, v in results.items() if k.startswith(f"{args.model}/short/") and "tok_s" in v}
+    if "bf16" in short:
+        report["results"] = {k: {"tok_s": v["tok_s"], "vs_bf16": v["tok_s"] / short["bf16"]["tok_s"]} for k, v in short.items()}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
