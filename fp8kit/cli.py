@@ -21,9 +21,12 @@ def _fail(message: str, code: int = 1):
 @click.command("convert", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("src")
 @click.argument("out")
-@click.option("--scheme", type=click.Choice(["dynamic", "block", "tensor"]), required=True,
+@click.option("--scheme", type=click.Choice(["dynamic", "block", "tensor", "tensor-static"]), required=True,
               help="dynamic: per-channel weights, per-token activations; block: 128x128 weight blocks; "
-                   "tensor: one weight scale per tensor.")
+                   "tensor: one weight scale per tensor; tensor-static: per-tensor weights and calibrated static "
+                   "activation scales (needs llm-compressor and the model's tokenizer).")
+@click.option("--calibration", type=click.Path(dir_okay=False), default=None,
+              help="Calibration text for tensor-static (default: a sample shipped with fp8kit).")
 @click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "fp8"]), default="compressed-tensors",
               show_default=True, help="fp8 is the DeepSeek-V3 / Qwen3-*-FP8 layout (block and tensor only).")
 @click.option("--ignore", multiple=True, metavar="REGEX",
@@ -32,7 +35,7 @@ def _fail(message: str, code: int = 1):
 @click.option("--max-shard-size", default="5GB", show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def fp8_convert(src, out, scheme, fmt, ignore, device, max_shard_size, overwrite, as_json):
+def fp8_convert(src, out, scheme, fmt, calibration, ignore, device, max_shard_size, overwrite, as_json):
     """Convert the safetensors checkpoint SRC (a directory or a Hub id org/name[@revision]) into FP8 at OUT."""
     from fp8kit.converter import convert
 
@@ -42,7 +45,8 @@ def fp8_convert(src, out, scheme, fmt, ignore, device, max_shard_size, overwrite
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             report = convert(src, out, scheme=scheme, format=fmt, ignore=list(ignore), device=device,
-                             max_shard_size=max_shard_size, overwrite=overwrite, progress=sys.stderr.isatty())
+                             max_shard_size=max_shard_size, overwrite=overwrite, progress=sys.stderr.isatty(),
+                             calibration=calibration)
     except Fp8kitError as e:
         _fail(str(e))
     except KeyboardInterrupt:

@@ -13,7 +13,6 @@ import queue
 import re
 import resource
 import shutil
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,6 +22,7 @@ import torch
 
 from fp8kit.converter import source
 from fp8kit.converter.formats import FORMATS, quantization_config, scale_name
+from fp8kit.converter.output import atomic_directory, check_out
 from fp8kit.converter.safetensors_io import (DTYPES, ITEMSIZE, OutTensor, TensorInfo, layout,
                                              read_bytes, to_tensor, write_all)
 from fp8kit.converter.schemes import SCHEMES, Scheme, amax, quantize_with_scale, scale_from_amax
@@ -268,11 +268,20 @@ def _write_json(path: Path, data: dict) -> None:
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynamic",
             format: str = "compressed-tensors", ignore: list[str] | tuple[str, ...] = (), device: str = "auto",
-            max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False) -> ConvertReport:
+            max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False,
+            calibration: str | os.PathLike | None = None) -> ConvertReport:
     """Convert a BF16/FP16/FP32 safetensors checkpoint (directory or Hub id) into an FP8 checkpoint at OUT."""
     start = time.perf_counter()
+    if scheme == "tensor-static":
+        if format != "compressed-tensors":
+            raise Fp8kitError("--scheme tensor-static is written in the compressed-tensors format only")
+        from fp8kit.converter.calibrated import convert_static
+
+        return convert_static(src, out, calibration, ignore, overwrite)
+    if calibration is not None:
+        raise Fp8kitError("--calibration is for --scheme tensor-static; the other schemes need no data")
     if scheme not in SCHEMES:
-        raise Fp8kitError(f"--scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
+        raise Fp8kitError(f"--scheme {scheme!r}: expected one of {', '.join(SCHEMES)}, tensor-static")
     if format not in FORMATS:
         raise Fp8kitError(f"--format {format!r}: expected one of {', '.join(FORMATS)}")
     if format == "fp8" and scheme == "dynamic":
@@ -285,17 +294,10 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
             raise Fp8kitError(f"--ignore {pattern!r}: not a regular expression ({e})") from e
     spec = SCHEMES[scheme]
     shard_bytes = parse_size(max_shard_size)
-    out = Path(out).expanduser().resolve()
-    if not out.name:
-        raise Fp8kitError(f"{out}: OUT must name a new directory")
-    if out.exists() and not overwrite:
-        raise Fp8kitError(f"{out}: already exists; pass --overwrite to replace it")
-    if out.exists() and not out.is_dir():
-        raise Fp8kitError(f"{out}: exists and is not a directory; remove it or choose another OUT")
+    out = check_out(out, overwrite)
     dev = resolve_device(device)
     src_path = source.resolve(src).resolve()
-    if out == src_path or src_path in out.parents or out in src_path.parents:
-        raise Fp8kitError(f"{out}: OUT must not be SRC, lie inside it, or contain it")
+    check_out(out, overwrite, src_path)
     config = source.load_config(src_path)
     if config.get("model_type") in TRANSPOSED_LINEARS:
         raise Fp8kitError(f"{src_path / 'config.json'}: model_type {config['model_type']!r} stores its linear "
@@ -317,37 +319,22 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
 
     bar = tqdm(total=bytes_in, unit="B", unit_scale=True, unit_divisor=1024, desc=f"fp8-convert {scheme}",
                disable=not progress, leave=False)
-    partial = None
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # A fresh private folder beside OUT (same filesystem, so the final rename is atomic); nothing the
-        # user owns is ever removed in its place.
-        partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-        for name, shard in zip(names, shards):
-            try:
-                _write_shard(partial / name, shard, inputs, spec, dev, bar.update)
-            except OSError as e:
-                raise Fp8kitError(f"{out / name}: cannot write ({e.strerror}); free disk space or choose another OUT") from e
-        if len(shards) > 1:
-            weight_map = {t.name: name for name, shard in zip(names, shards) for job in shard for t in job.outputs}
-            total = sum(t.nbytes for job in jobs for t in job.outputs)
-            _write_json(partial / source.INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        _write_json(partial / "config.json", config)
-        for extra in source.extra_files(src_path):
-            shutil.copyfile(extra, partial / extra.name)
-        if out.exists() and overwrite:
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            out.rename(old)  # onto the empty folder just made
-            partial.rename(out)
-            shutil.rmtree(old)
-        else:
-            partial.rename(out)  # fails if OUT appeared meanwhile: never replaced without --overwrite
-        partial = None
-    except OSError as e:
-        raise Fp8kitError(f"{out}: cannot write ({e.strerror}); free disk space or choose another OUT") from e
+        with atomic_directory(out, overwrite) as partial:
+            for name, shard in zip(names, shards):
+                try:
+                    _write_shard(partial / name, shard, inputs, spec, dev, bar.update)
+                except OSError as e:
+                    raise Fp8kitError(f"{out / name}: cannot write ({e.strerror}); free disk space or choose "
+                                      f"another OUT") from e
+            if len(shards) > 1:
+                weight_map = {t.name: name for name, shard in zip(names, shards) for job in shard for t in job.outputs}
+                total = sum(t.nbytes for job in jobs for t in job.outputs)
+                _write_json(partial / source.INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+            _write_json(partial / "config.json", config)
+            for extra in source.extra_files(src_path):
+                shutil.copyfile(extra, partial / extra.name)
     finally:
-        if partial is not None:
-            shutil.rmtree(partial, ignore_errors=True)
         bar.close()
         inputs.close()
 

@@ -15,7 +15,7 @@ import torch
 
 from fp8kit.quality import load_causal_lm, logit_drift, perplexity, quiet
 
-SAMPLE = Path(__file__).with_name("sample.txt")
+SAMPLE = Path(__file__).parents[1] / "data" / "sample.txt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 

@@ -163,23 +163,11 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model_name_or_pat
               "lora_dropout": getattr(first.lora_dropout, "p", 0.0), "bias": "none", "fan_in_fan_out": False,
               "target_modules": sorted({n.rsplit(".", 1)[-1] for n in modules}),
               "base_model_name_or_path": base_model_name_or_path, "inference_mode": True}
-    import shutil
-    import tempfile
+    from fp8kit.converter.output import atomic_directory
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-    try:
+    with atomic_directory(directory.resolve(), overwrite=True) as tmp:
         save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if directory.exists():  # the old adapter stays whole until the new one is in place
-            old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
-            directory.rename(old)
-            tmp.rename(directory)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(directory)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 

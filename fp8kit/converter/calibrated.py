@@ -1,0 +1,83 @@
+"""`--scheme tensor-static`: per-tensor FP8 weights and static per-tensor activation scales.
+
+Static activation scales let vLLM skip the per-token amax of dynamic schemes, its fastest FP8 path. The
+scales are measured on calibration text by running the model, which a streaming converter cannot do, so
+this scheme goes through llm-compressor's oneshot with its FP8 preset (static min-max observers), with
+fp8kit's own rules for what stays in source precision and its atomic output.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from fp8kit.converter import source
+from fp8kit.converter.formats import ignore_list
+from fp8kit.converter.output import atomic_directory, check_out
+from fp8kit.converter.schemes import SCHEMES
+from fp8kit.converter.select import check_not_quantized, select
+from fp8kit.errors import Fp8kitError
+
+DEFAULT_CALIBRATION = Path(__file__).parents[1] / "data" / "sample.txt"
+
+
+def calibration_ids(tokenizer, text: str, seq_len: int) -> list[list[int]]:
+    ids = tokenizer(text).input_ids
+    return [ids[i:i + seq_len] for i in range(0, len(ids), seq_len) if len(ids[i:i + seq_len]) >= 8]
+
+
+def convert_static(src, out, calibration: str | Path | None = None, ignore=(), overwrite: bool = False,
+                   seq_len: int = 512):
+    from fp8kit.converter.streaming import ConvertReport, peak_rss_bytes
+
+    start = time.perf_counter()
+    try:
+        from llmcompressor import oneshot
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+    except ImportError as e:
+        raise Fp8kitError("--scheme tensor-static calibrates with llm-compressor: pip install llmcompressor") from e
+    out = check_out(out, overwrite)
+    src_path = source.resolve(src).resolve()
+    check_out(out, overwrite, src_path)
+    calibration = Path(calibration) if calibration else DEFAULT_CALIBRATION
+    try:
+        text = calibration.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise Fp8kitError(f"{calibration}: cannot read the calibration text ({e})") from e
+    source.load_config(src_path)
+    tensors = source.read_tensors(src_path)
+    check_not_quantized(tensors)
+    sel = select(tensors, SCHEMES["tensor"], list(ignore))
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src_path)
+    except (OSError, ValueError) as e:
+        raise Fp8kitError(f"{src_path}: --scheme tensor-static needs the model's tokenizer to calibrate ({e})") from e
+    samples = calibration_ids(tokenizer, text, seq_len)
+    if not samples:
+        raise Fp8kitError(f"{calibration}: too little text to calibrate on (fewer than 8 tokens)")
+    dataset = Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]})
+    model = AutoModelForCausalLM.from_pretrained(src_path, dtype="auto")
+    recipe = QuantizationModifier(targets="Linear", scheme="FP8", ignore=ignore_list(sel.keep))
+    with torch.no_grad():
+        oneshot(model=model, dataset=dataset, recipe=recipe, num_calibration_samples=len(samples),
+                max_seq_length=seq_len)
+    with atomic_directory(out, overwrite) as partial:
+        model.save_pretrained(partial, save_compressed=True)
+        for extra in source.extra_files(src_path):
+            if not (partial / extra.name).exists():
+                shutil.copyfile(extra, partial / extra.name)
+        for stray in ("recipe.yaml",):
+            (partial / stray).unlink(missing_ok=True)
+    files = sorted(p.name for p in out.iterdir())
+    return ConvertReport(
+        src=str(src), out=str(out), scheme="tensor-static", format="compressed-tensors", device="cpu",
+        quantized=sel.quantize, ignored=ignore_list(sel.keep), bytes_in=sum(t.nbytes for t in tensors.values()),
+        bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
+        peak_rss_bytes=peak_rss_bytes(), peak_gpu_bytes=None, files=files,
+        warnings=sel.warnings + [f"calibrated on {len(samples)} sequences from {calibration.name}"])

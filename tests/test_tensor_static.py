@@ -1,0 +1,66 @@
+"""--scheme tensor-static: static per-tensor activation scales calibrated through llm-compressor's oneshot."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from fp8kit import convert
+from fp8kit.cli import fp8_convert
+from fp8kit.models import build_checkpoint
+from fp8kit.quality import load_causal_lm, logit_drift, quiet
+
+pytest.importorskip("llmcompressor")
+SAMPLE = "The quick brown fox jumps over the lazy dog. " * 40
+
+
+def add_tokenizer(path, vocab_size=512):
+    """A byte-level BPE trained on the spot: the random model needs a tokenizer to be calibrated."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator([SAMPLE + " ".join(map(str, range(500)))], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(path)
+
+
+def test_static_scales_calibrated_and_loadable(tmp_path):
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1)
+    add_tokenizer(src)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(SAMPLE)
+    report = convert(src, tmp_path / "static", scheme="tensor-static", calibration=calib)
+    out = tmp_path / "static"
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    group = q["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == "tensor" and group["input_activations"]["strategy"] == "tensor"
+    assert group["input_activations"]["dynamic"] is False and q["ignore"] == ["lm_head"]
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        input_scale = f.get_tensor("model.layers.0.self_attn.q_proj.input_scale")
+    assert len([n for n in names if n.endswith(".input_scale")]) == len(report.quantized) == 14
+    assert input_scale.numel() == 1 and float(input_scale) > 0
+    assert (out / "tokenizer.json").exists() and not (out / "recipe.yaml").exists()
+    # weights: the same per-tensor formula as our streaming `tensor` scheme
+    convert(src, tmp_path / "dyn", scheme="tensor")
+    with safe_open(out / "model.safetensors", "pt") as a, safe_open(tmp_path / "dyn" / "model.safetensors", "pt") as b:
+        name = "model.layers.1.mlp.down_proj.weight"
+        assert torch.equal(a.get_tensor(name).view(torch.uint8), b.get_tensor(name).view(torch.uint8))
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with quiet(), torch.no_grad():
+        drift = logit_drift(load_causal_lm(src)(input_ids=ids).logits, load_causal_lm(out)(input_ids=ids).logits)
+    assert drift["kl"] < 5e-3
+
+
+def test_needs_a_tokenizer_and_rejects_calibration_for_other_schemes(tmp_path, llama_dir):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(fp8_convert, [str(llama_dir), str(out), "--scheme", "tensor-static"])
+    assert result.exit_code == 1 and "tokenizer" in result.stderr and not out.exists()
+    result = CliRunner().invoke(fp8_convert, [str(llama_dir), str(out), "--scheme", "dynamic", "--calibration", "x.txt"])
+    assert result.exit_code == 1 and "--calibration is for --scheme tensor-static" in result.stderr
