@@ -215,9 +215,14 @@ def test_never_deletes_the_source(tmp_path, llama_dir, layout):
     assert sorted(p.name for p in src.iterdir()) == before
 
 
-def write_raw_safetensors(path, header: dict, data: bytes):
+def raw_checkpoint(tmp_path, header: dict, data: bytes, model_type: str = "llama"):
+    """A checkpoint whose model.safetensors is written byte by byte (headers safetensors would refuse)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": model_type}))
     raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    (src / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return src
 
 
 @pytest.mark.parametrize("entry,data", [
@@ -229,34 +234,26 @@ def write_raw_safetensors(path, header: dict, data: bytes):
     ("not a dict", b""),
 ])
 def test_malformed_headers_are_refused(tmp_path, entry, data):
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "config.json").write_text('{"model_type": "llama"}')
     header = {"model.layers.0.mlp.up_proj.weight": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]},
               "model.norm.weight": entry}
     if isinstance(entry, dict) and entry["data_offsets"][0] == 0:
         entry["data_offsets"] = [8 + entry["data_offsets"][0], 8 + entry["data_offsets"][1]]
-    write_raw_safetensors(src / "model.safetensors", header, b"\0" * 8 + data)
+    src = raw_checkpoint(tmp_path, header, b"\0" * 8 + data)
     out = tmp_path / "out"
     assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "model.safetensors")
 
 
 def test_overlapping_tensors_are_refused(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "config.json").write_text('{"model_type": "llama"}')
     header = {"model.layers.0.mlp.up_proj.weight": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]},
               "model.layers.0.mlp.down_proj.weight": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [4, 12]}}
-    write_raw_safetensors(src / "model.safetensors", header, b"\0" * 12)
+    src = raw_checkpoint(tmp_path, header, b"\0" * 12)
     out = tmp_path / "out"
     assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "overlaps")
 
 
 def test_transposed_conv1d_models_are_refused(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "config.json").write_text('{"model_type": "gpt2"}')
-    save_file({"h.0.attn.c_attn.weight": torch.zeros(128, 384)}, src / "model.safetensors")
+    header = {"h.0.attn.c_attn.weight": {"dtype": "F32", "shape": [128, 384], "data_offsets": [0, 128 * 384 * 4]}}
+    src = raw_checkpoint(tmp_path, header, b"\0" * (128 * 384 * 4), model_type="gpt2")
     out = tmp_path / "out"
     assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "gpt2", "transposed")
 
