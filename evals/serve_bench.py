@@ -97,6 +97,9 @@ def build(workdir: Path, model: str) -> Path:
         m = getattr(transformers, model_cls)(config).to(torch.bfloat16)
     m.save_pretrained(src, max_shard_size="5GB")
     del m
+    from fp8kit.models import add_tokenizer  # tensor-static calibrates on text
+
+    add_tokenizer(src, (ROOT / "fp8kit/data/sample.txt").read_text() * 4, vocab_size=2048)
     torch.cuda.empty_cache()
     return src
 
@@ -108,7 +111,7 @@ def main():
     ap.add_argument("--workload", default="short")
     ap.add_argument("--model", default="qwen3-8b", choices=list(MODELS))
     ap.add_argument("--workloads", default="short")
-    ap.add_argument("--variants", default="bf16,dynamic,block,tensor,vllm-online-fp8")
+    ap.add_argument("--variants", default="bf16,dynamic,block,tensor,tensor-static,vllm-online-fp8")
     ap.add_argument("--workdir", default="/tmp/serve-bench")
     ap.add_argument("--out", default=str(ROOT / "evals/results/serve.json"))
     args = ap.parse_args()

@@ -40,3 +40,17 @@ def build_checkpoint(path: str | Path, arch: str = "llama", dtype: torch.dtype =
     with contextlib.redirect_stderr(io.StringIO()):  # transformers' "Writing model shards" bar
         model.save_pretrained(path, max_shard_size=max_shard_size)
     return path
+
+
+def add_tokenizer(path: str | Path, text: str, vocab_size: int = 512) -> Path:
+    """Train a small byte-level BPE on `text` and save it beside a random checkpoint: calibration and
+    text validation need a tokenizer, and none can be downloaded. Its ids stay below `vocab_size`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(path)
+    return Path(path)

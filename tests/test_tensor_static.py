@@ -9,30 +9,16 @@ from safetensors import safe_open
 
 from fp8kit import convert
 from fp8kit.cli import fp8_convert
-from fp8kit.models import build_checkpoint
+from fp8kit.models import add_tokenizer, build_checkpoint
 from fp8kit.quality import load_causal_lm, logit_drift, quiet
 
 pytest.importorskip("llmcompressor")
 SAMPLE = "The quick brown fox jumps over the lazy dog. " * 40
 
 
-def add_tokenizer(path, vocab_size=512):
-    """A byte-level BPE trained on the spot: the random model needs a tokenizer to be calibrated."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tok.train_from_iterator([SAMPLE + " ".join(map(str, range(500)))], trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(path)
-
-
 def test_static_scales_calibrated_and_loadable(tmp_path):
     src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1)
-    add_tokenizer(src)
+    add_tokenizer(src, SAMPLE + " ".join(map(str, range(500))))
     calib = tmp_path / "calib.txt"
     calib.write_text(SAMPLE)
     report = convert(src, tmp_path / "static", scheme="tensor-static", calibration=calib)

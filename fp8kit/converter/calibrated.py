@@ -62,7 +62,9 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     if not samples:
         raise Fp8kitError(f"{calibration}: too little text to calibrate on (fewer than 8 tokens)")
     dataset = Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]})
-    model = AutoModelForCausalLM.from_pretrained(src_path, dtype="auto")
+    # on the GPU when there is one: calibration runs the whole model over the text
+    model = AutoModelForCausalLM.from_pretrained(src_path, dtype="auto",
+                                                 device_map="cuda" if torch.cuda.is_available() else None)
     recipe = QuantizationModifier(targets="Linear", scheme="FP8", ignore=ignore_list(sel.keep))
     with torch.no_grad():
         oneshot(model=model, dataset=dataset, recipe=recipe, num_calibration_samples=len(samples),
@@ -76,7 +78,7 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
             (partial / stray).unlink(missing_ok=True)
     files = sorted(p.name for p in out.iterdir())
     return ConvertReport(
-        src=str(src), out=str(out), scheme="tensor-static", format="compressed-tensors", device="cpu",
+        src=str(src), out=str(out), scheme="tensor-static", format="compressed-tensors", device=str(model.device),
         quantized=sel.quantize, ignored=ignore_list(sel.keep), bytes_in=sum(t.nbytes for t in tensors.values()),
         bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
         peak_rss_bytes=peak_rss_bytes(), peak_gpu_bytes=None, files=files,
