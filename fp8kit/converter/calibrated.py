@@ -51,7 +51,7 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     sel = select(tensors, SCHEMES["tensor"], list(ignore))
 
     import torch
-    from datasets import Dataset
+    from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -61,13 +61,16 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     samples = calibration_ids(tokenizer, text, seq_len)
     if not samples:
         raise Fp8kitError(f"{calibration}: too little text to calibrate on (fewer than 8 tokens)")
-    dataset = Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]})
+    # A plain DataLoader of token ids: a `datasets.Dataset` would be fingerprinted by pickling, which fails
+    # with some pyarrow/dill combinations (seen with pyarrow 26 on Python 3.12).
+    loader = DataLoader([{"input_ids": torch.tensor(s), "attention_mask": torch.ones(len(s), dtype=torch.long)}
+                         for s in samples], batch_size=1)
     # on the GPU when there is one: calibration runs the whole model over the text
     model = AutoModelForCausalLM.from_pretrained(src_path, dtype="auto",
                                                  device_map="cuda" if torch.cuda.is_available() else None)
     recipe = QuantizationModifier(targets="Linear", scheme="FP8", ignore=ignore_list(sel.keep))
     with torch.no_grad():
-        oneshot(model=model, dataset=dataset, recipe=recipe, num_calibration_samples=len(samples),
+        oneshot(model=model, dataset=loader, processor=tokenizer, recipe=recipe, num_calibration_samples=len(samples),
                 max_seq_length=seq_len)
     with atomic_directory(out, overwrite) as partial:
         model.save_pretrained(partial, save_compressed=True)
