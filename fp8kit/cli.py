@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shlex
 import signal
 import sys
@@ -11,6 +13,24 @@ import warnings
 import click
 
 from fp8kit.errors import Fp8kitError
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool):
+    """While converting, anything libraries print on stdout (llm-compressor logs there) goes to stderr,
+    so that --json leaves exactly one JSON document on stdout."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _fail(message: str, code: int = 1):
@@ -42,7 +62,7 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, device, max_shard_si
     # SIGTERM unwinds like Ctrl-C, so the temporary output is removed.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _stdout_to_stderr(as_json):
             warnings.simplefilter("ignore")
             report = convert(src, out, scheme=scheme, format=fmt, ignore=list(ignore), device=device,
                              max_shard_size=max_shard_size, overwrite=overwrite, progress=sys.stderr.isatty(),

@@ -50,3 +50,16 @@ def test_needs_a_tokenizer_and_rejects_calibration_for_other_schemes(tmp_path, l
     assert result.exit_code == 1 and "tokenizer" in result.stderr and not out.exists()
     result = CliRunner().invoke(fp8_convert, [str(llama_dir), str(out), "--scheme", "dynamic", "--calibration", "x.txt"])
     assert result.exit_code == 1 and "--calibration is for --scheme tensor-static" in result.stderr
+
+
+def test_json_stdout_stays_clean(tmp_path):
+    """llm-compressor logs on stdout; `--json` must still print exactly one JSON document there."""
+    import subprocess
+    import sys
+
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1)
+    add_tokenizer(src, SAMPLE + " ".join(map(str, range(500))))
+    proc = subprocess.run([sys.executable, "-m", "fp8kit.cli", "convert", str(src), str(tmp_path / "out"),
+                           "--scheme", "tensor-static", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["scheme"] == "tensor-static"
