@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
-TOKEN = "hf_fakeTokenForTests0123456789abcdefXYZ"
+TOKEN = "fake-hub-token-for-tests"  # not shaped like a real token
 
 
 def git_sha1(data: bytes) -> str:
