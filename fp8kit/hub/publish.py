@@ -80,13 +80,13 @@ def _sha256(path: Path) -> str:
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt", "*.pth"]
 
 
-def _identical_on_hub(api, repo_id: str, staging: Path) -> bool:
+def _identical_on_hub(api, repo_id: str, staging: Path, remote_files: set[str]) -> bool:
     """True when every staged file is already in the repo with the same content (LFS sha256 or git blob id)
     and the repo holds no other weight files (a stale shard or index would be loaded with ours)."""
     names = sorted(p.name for p in staging.iterdir() if p.is_file())
     from fnmatch import fnmatch
 
-    extra = [f for f in api.list_repo_files(repo_id) if f not in names and any(fnmatch(f, p) for p in WEIGHT_PATTERNS)]
+    extra = [f for f in remote_files if f not in names and any(fnmatch(f, p) for p in WEIGHT_PATTERNS)]
     if extra:
         return False
     remote = {info.path: info for info in api.get_paths_info(repo_id, names, expand=False)}
@@ -211,7 +211,7 @@ def _upload(api, result: PublishResult, folder: Path, private: bool, create_pr: 
             if remote and PROVENANCE not in remote and not force:
                 raise Fp8kitError(f"{repo_id}: exists and was not made by fp8kit (no {PROVENANCE}); pass --force to "
                                   f"upload into it")
-            if _identical_on_hub(api, repo_id, folder):
+            if _identical_on_hub(api, repo_id, folder, remote):
                 result.status, result.url = "unchanged", f"{api.endpoint}/{repo_id}"
                 return
         _with_retries(lambda: api.create_repo(repo_id, private=private, exist_ok=True))
@@ -230,9 +230,10 @@ def _upload(api, result: PublishResult, folder: Path, private: bool, create_pr: 
 def _register(repo_id: str, scheme: str, fmt: str, base_model: str) -> None:
     from fp8kit.registry.catalog import Variant, append_to_overlay, load, overlay_path
 
-    if any(v.repo_id.lower() == repo_id.lower() and v.source == "overlay" for v in load()):
+    variants = load()
+    if any(v.repo_id.lower() == repo_id.lower() and v.source == "overlay" for v in variants):
         return
-    family = next((v.family for v in load() if base_model.lower() in (b.lower() for b in v.base)),
+    family = next((v.family for v in variants if base_model.lower() in (b.lower() for b in v.base)),
                   base_model.split("/")[-1].lower())
     append_to_overlay(Variant(repo_id, family, scheme, fmt, (scheme,), (base_model,), "overlay"), overlay_path())
 
