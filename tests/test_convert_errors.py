@@ -268,3 +268,42 @@ def test_fused_experts_without_weight_suffix_refused(tmp_path, llama_dir):
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "out"
     assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "experts.gate_up_proj", "3-D")
+
+
+def test_more_bad_options_and_outputs(llama_dir, tmp_path):
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--max-shard-size", "99999999999999999999TB"), out,
+                         "out of range")
+    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "tensor-static", "--format", "fp8"), out,
+                         "compressed-tensors format only")
+    if not torch.cuda.is_available():
+        assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--device", "cuda"), out, "no CUDA")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    code, err = run_cli(llama_dir, a_file, "--scheme", "dynamic", "--overwrite")
+    assert code != 0 and "not a directory" in err and a_file.read_text() == "mine"
+    code, err = run_cli(llama_dir, "/", "--scheme", "dynamic")
+    assert code != 0 and "OUT must name a new directory" in err
+
+
+def test_malformed_config_and_index(src, tmp_path):
+    out = tmp_path / "out"
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "quantization_config": "fp8"}))
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "already quantized")
+    (src / "config.json").write_text(json.dumps(config))
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "weight_map must map")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../model.safetensors"}}))
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "outside the checkpoint directory")
+
+
+def test_empty_weights_are_kept_not_divided_by_zero(tmp_path):
+    header = {"model.layers.0.mlp.up_proj.weight": {"dtype": "BF16", "shape": [128, 128], "data_offsets": [0, 32768]},
+              "model.layers.0.mlp.down_proj.weight": {"dtype": "BF16", "shape": [128, 0], "data_offsets": [32768, 32768]}}
+    src = raw_checkpoint(tmp_path, header, b"\0" * 32768)
+    for scheme in ("dynamic", "tensor"):
+        code, err = run_cli(src, tmp_path / scheme, "--scheme", scheme)
+        assert code == 0, err
+        q = json.loads((tmp_path / scheme / "config.json").read_text())["quantization_config"]
+        assert "model.layers.0.mlp.down_proj" in q["ignore"]

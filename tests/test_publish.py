@@ -216,3 +216,9 @@ def test_validation_failure_is_one_line_and_the_plan_goes_on(tmp_path, hub, src)
     assert [r["status"] for r in out] == ["failed", "dry-run"]
     assert "notamodel" in out[0]["error"] and "\n" not in out[0]["error"]
     assert "Traceback" not in proc.stderr
+
+
+def test_bad_repo_template_is_one_line(tmp_path, hub, src):
+    proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "dynamic", "--dry-run", "--org", "me",
+                   "--repo-template", "{org}/{model}-fp8", token=None)
+    assert proc.returncode == 1 and "--repo-template" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -168,3 +168,13 @@ def test_fused_moe_experts_are_reported(tmp_path):
     out = convert(src, tmp_path / "out", scheme="dynamic").out
     with pytest.raises(Fp8kitError, match="MoE"):
         load_fp8_model(out, dtype=torch.float32)
+
+
+def test_adapter_missing_modules_is_refused(fp8_dirs, tmp_path):
+    from fp8kit.errors import Fp8kitError
+
+    model = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4, target_modules=["q_proj"])
+    save_adapter(model, tmp_path / "q-only")
+    everywhere = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4)
+    with pytest.raises(Fp8kitError, match="no weights for"):
+        load_adapter(everywhere, tmp_path / "q-only")
