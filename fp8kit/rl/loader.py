@@ -8,14 +8,17 @@ safetensors files as it is read, so no full-precision copy of a quantized weight
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
 from fp8kit.errors import Fp8kitError
+from fp8kit.rl.bf16_lora import LoRALinear
 from fp8kit.rl.fp8_linear import FP8LoRALinear
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -64,93 +67,165 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         raise Fp8kitError(f"checkpoint tensor {name!r} has no place in the model")
 
 
-def load_fp8_model(path_or_name: str | Path, dtype: torch.dtype = torch.bfloat16, lora_rank: int = 16,
-                   lora_alpha: float | None = None, target_modules: list[str] | tuple[str, ...] | None = None,
-                   lora_dropout: float = 0.0, device: str | torch.device = "cpu", backend: str | None = None):
-    """Returns the transformers causal LM with FP8 base weights and LoRA on `target_modules` (leaf names;
-    default every projection). A name goes through the registry (an FP8 upload, or a cached conversion)."""
+def _checkpoint_tensors(path: Path, device: torch.device) -> dict[str, Callable[[], torch.Tensor]]:
+    """Every tensor of the checkpoint's safetensors files, read only when asked for (straight to `device`)."""
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise Fp8kitError(f"dtype {dtype}: expected torch.bfloat16, torch.float16 or torch.float32")
-    path = Path(path_or_name).expanduser()
-    if not path.is_dir():
-        from fp8kit.registry import ensure
+    getters = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as sf:
+            for k in sf.keys():
+                getters[k] = functools.partial(_read_tensor, f, k, str(device))
+    return getters
 
-        path = ensure(str(path_or_name), "auto")
-    config = AutoConfig.from_pretrained(path)
-    qc = getattr(config, "quantization_config", None)
-    if qc is None:
-        raise Fp8kitError(f"{path}: not an FP8 checkpoint (no quantization_config); convert it with fp8-convert")
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    scheme = _scheme(qc)
-    del config.quantization_config
-    targets = set(target_modules or DEFAULT_TARGETS)
-    device = torch.device(device)
+
+def _read_tensor(file: Path, key: str, device: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(file, "pt", device=device) as sf:
+        return sf.get_tensor(key)
+
+
+def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str | None, dtype: torch.dtype,
+             lora_rank: int, lora_alpha: float | None, targets: set[str], lora_dropout: float,
+             backend: str | None, where: str) -> nn.Module:
+    """The transformers model for `config` built on the meta device and filled from `tensors` (name -> getter):
+    the checkpoint's files, or views of a vLLM engine's parameters. Quantized Linears (those with a scale)
+    become FP8LoRALinear; with scheme None, the Linears named in `targets` become the BF16 LoRALinear."""
+    from transformers import AutoModelForCausalLM
 
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    files = sorted(path.glob("*.safetensors"))
-    names: dict[str, Path] = {}
-    for f in files:
-        with safe_open(f, "pt") as sf:
-            names.update({k: f for k in sf.keys()})
-    scale_suffix = next((s for s in ("weight_scale_inv", "weight_scale") if any(k.endswith("." + s) for k in names)), None)
-    fp8_modules = {k[: -len(".weight")] for k in names if k.endswith(".weight")
-                   and names.get(k[: -len("weight")] + str(scale_suffix)) is not None}
-    for name in sorted(fp8_modules):
+    scale_suffix = next((s for s in ("weight_scale_inv", "weight_scale") if any(k.endswith("." + s) for k in tensors)),
+                        None) if scheme else None
+    if scheme:
+        lora_linears = {k[: -len(".weight")] for k in tensors if k.endswith(".weight")
+                        and k[: -len("weight")] + str(scale_suffix) in tensors}
+    else:
+        lora_linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1]
+                        in targets and n + ".weight" in tensors}
+    for name in sorted(lora_linears):
         try:
             module = model.get_submodule(name)
         except AttributeError as e:
-            raise Fp8kitError(f"{path}: quantized module {name} has no counterpart in the model (fused MoE experts "
+            raise Fp8kitError(f"{where}: quantized module {name} has no counterpart in the model (fused MoE experts "
                               f"are not supported by load_fp8_model yet)") from e
         if not isinstance(module, nn.Linear):
-            raise Fp8kitError(f"{path}: {name} is quantized in the checkpoint but is a {type(module).__name__} here")
-        with safe_open(names[name + ".weight"], "pt", device=str(device)) as sf:
-            weight = sf.get_tensor(name + ".weight")
-        with safe_open(names[f"{name}.{scale_suffix}"], "pt", device=str(device)) as sf:
-            scale = sf.get_tensor(f"{name}.{scale_suffix}")
-        bias = None
-        if module.bias is not None:
-            with safe_open(names[name + ".bias"], "pt", device=str(device)) as sf:
-                bias = sf.get_tensor(name + ".bias")
+            raise Fp8kitError(f"{where}: {name} is quantized in the checkpoint but is a {type(module).__name__} here")
+        bias = tensors[name + ".bias"]().to(dtype) if module.bias is not None else None
         rank = lora_rank if name.rsplit(".", 1)[-1] in targets else 0
+        if scheme:
+            layer = FP8LoRALinear(tensors[name + ".weight"](), tensors[f"{name}.{scale_suffix}"](), scheme, bias,
+                                  rank=rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype, backend=backend)
+        else:
+            layer = LoRALinear(tensors[name + ".weight"]().to(dtype), bias, rank=rank, alpha=lora_alpha,
+                               dropout=lora_dropout, dtype=dtype)
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf,
-                FP8LoRALinear(weight, scale, scheme, bias, rank=rank, alpha=lora_alpha, dropout=lora_dropout,
-                              dtype=dtype, backend=backend))
-    quantized_keys = {f"{m}.{leaf}" for m in fp8_modules for leaf in ("weight", scale_suffix, "bias")}
-    for f in files:
-        with safe_open(f, "pt", device=str(device)) as sf:
-            for key in sf.keys():
-                if key in quantized_keys or names[key] != f:
-                    continue
-                if re.search(r"\.(input_scale|weight_zero_point)$", key):
-                    continue
-                tensor = sf.get_tensor(key)
-                _set_tensor(model, key, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+        setattr(model.get_submodule(parent), leaf, layer)
+    placed = {f"{m}.{leaf}" for m in lora_linears for leaf in ("weight", scale_suffix, "bias")}
+    for key, get in tensors.items():
+        if key in placed or re.search(r"\.(input_scale|weight_zero_point)$", key):
+            continue
+        tensor = get()
+        _set_tensor(model, key, tensor.to(dtype) if tensor.is_floating_point() else tensor)
     if getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False):
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
-        raise Fp8kitError(f"{path}: checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[0]}")
-    model.to(device)
+        raise Fp8kitError(f"{where}: lacks {len(missing)} tensors the model needs, e.g. {missing[0]}")
     for n, p in model.named_parameters():
         p.requires_grad_(n.endswith(("lora_A", "lora_B")))
     model.fp8_scheme = scheme
     return model
 
 
-def lora_modules(model: nn.Module) -> dict[str, FP8LoRALinear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, FP8LoRALinear) and m.rank}
+def read_config(path: Path):
+    """(config without its quantization_config, FP8 scheme or None for a full-precision checkpoint)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return config, None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    scheme = _scheme(qc)
+    del config.quantization_config
+    return config, scheme
+
+
+def load_fp8_model(path_or_name: str | Path, dtype: torch.dtype = torch.bfloat16, lora_rank: int = 16,
+                   lora_alpha: float | None = None, target_modules: list[str] | tuple[str, ...] | None = None,
+                   lora_dropout: float = 0.0, device: str | torch.device = "cpu", backend: str | None = None):
+    """Returns the transformers causal LM with FP8 base weights and LoRA on `target_modules` (leaf names;
+    default every projection). A name goes through the registry (an FP8 upload, or a cached conversion)."""
+    _check_dtype(dtype)
+    path = Path(path_or_name).expanduser()
+    if not path.is_dir():
+        from fp8kit.registry import ensure
+
+        path = ensure(str(path_or_name), "auto")
+    config, scheme = read_config(path)
+    if scheme is None:
+        raise Fp8kitError(f"{path}: not an FP8 checkpoint (no quantization_config); convert it with fp8-convert")
+    return _load(path, config, scheme, dtype, lora_rank, lora_alpha, target_modules, lora_dropout, device, backend)
+
+
+def load_lora_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, lora_rank: int = 16,
+                    lora_alpha: float | None = None, target_modules: list[str] | tuple[str, ...] | None = None,
+                    lora_dropout: float = 0.0, device: str | torch.device = "cpu"):
+    """The full-precision baseline: the checkpoint's weights in `dtype`, LoRA on `target_modules`."""
+    _check_dtype(dtype)
+    path = Path(path).expanduser()
+    config, scheme = read_config(path)
+    if scheme is not None:
+        raise Fp8kitError(f"{path}: an FP8 checkpoint; the BF16/FP16 baseline needs the original model")
+    return _load(path, config, None, dtype, lora_rank, lora_alpha, target_modules, lora_dropout, device, None)
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise Fp8kitError(f"dtype {dtype}: expected torch.bfloat16, torch.float16 or torch.float32")
+
+
+def _load(path, config, scheme, dtype, lora_rank, lora_alpha, target_modules, lora_dropout, device, backend):
+    device = torch.device(device)
+    model = assemble(config, _checkpoint_tensors(path, device), scheme, dtype, lora_rank, lora_alpha,
+                     set(target_modules or DEFAULT_TARGETS), lora_dropout, backend, str(path))
+    return model.to(device)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """The reference policy: the base model alone, LoRA scaled to zero for the duration."""
+    modules = lora_modules(model)
+    saved = {n: m.scaling for n, m in modules.items()}
+    for m in modules.values():
+        m.scaling = 0.0
+    try:
+        yield model
+    finally:
+        for n, m in modules.items():
+            m.scaling = saved[n]
+
+
+def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, (FP8LoRALinear, LoRALinear)) and m.rank}
 
 
 def save_adapter(model: nn.Module, directory: str | Path, base_model_name_or_path: str = "") -> Path:
     """PEFT's adapter layout (adapter_model.safetensors + adapter_config.json), readable by peft and vLLM."""
-    from safetensors.torch import save_file
+    from fp8kit.converter.output import atomic_directory
 
     directory = Path(directory)
+    with atomic_directory(directory.resolve(), overwrite=True) as tmp:
+        write_adapter(model, tmp, base_model_name_or_path)
+    return directory
+
+
+def write_adapter(model: nn.Module, folder: Path, base_model_name_or_path: str = "") -> None:
+    """The adapter files written into `folder` as they are (callers make the folder appear atomically)."""
+    from safetensors.torch import save_file
+
     modules = lora_modules(model)
     if not modules:
         raise Fp8kitError("the model has no LoRA modules to save")
@@ -163,12 +238,8 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model_name_or_pat
               "lora_dropout": getattr(first.lora_dropout, "p", 0.0), "bias": "none", "fan_in_fan_out": False,
               "target_modules": sorted({n.rsplit(".", 1)[-1] for n in modules}),
               "base_model_name_or_path": base_model_name_or_path, "inference_mode": True}
-    from fp8kit.converter.output import atomic_directory
-
-    with atomic_directory(directory.resolve(), overwrite=True) as tmp:
-        save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
-        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return directory
+    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def load_adapter(model: nn.Module, directory: str | Path) -> None:

@@ -1,0 +1,275 @@
+"""FP8 against BF16 GRPO on one GPU, vLLM rollouts sharing the trainer's weights, plus a standalone vLLM engine.
+
+For each variant (BF16 original, per-channel FP8 made by fp8-convert) a fresh process runs `load_model` with
+vLLM in the process and GRPO for --steps steps on a ~1B random-weight Llama (TinyLlama-1.1B's shape), then a
+second fresh process serves the same checkpoint and adapter with a standalone vLLM engine on the same
+prompts and sampling settings. Recorded: one copy of the weights (every base tensor of the trainer is a view
+of vLLM's storage; allocated bytes against weight bytes), rollout tokens/s inside the runtime and
+standalone, time in generation and training, peak GPU memory (sampled device-wide every 2 ms), the reward
+curve and the rollout/trainer mismatch KL. The reward is the share of completion tokens drawn from the
+lowest 1/32 of the vocabulary: a random model starts near 0.03 and LoRA can raise it.
+
+    python evals/grpo_gpu.py --variants fp8,bf16 --steps 8 --out evals/results/grpo_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {
+    "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                           num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
+                           tie_word_embeddings=False),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=4096, max_position_embeddings=1024, tie_word_embeddings=False),
+}
+WORKLOAD = dict(prompts_per_step=16, num_generations=8, prompt_tokens=128, max_completion_length=256)
+LORA_RANK = 32
+KV_CACHE_BYTES = 2 << 30
+
+
+class PeakMemory:
+    """Device-wide used memory (total - free, as nvidia-smi sees it), sampled on a thread."""
+
+    def __init__(self, interval: float = 0.002):
+        import torch
+
+        self.peak, self.interval, self._stop = 0, interval, threading.Event()
+        self._torch = torch
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            free, total = self._torch.cuda.mem_get_info()
+            self.peak = max(self.peak, total - free)
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def build(workdir: Path, shape: str) -> Path:
+    import torch
+    import transformers
+
+    src = workdir / f"{shape}-bf16"
+    if (src / "config.json").exists():
+        return src
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPES[shape], bos_token_id=1,
+                                                                       eos_token_id=2)).to(torch.bfloat16)
+    model.save_pretrained(src)
+    del model
+    torch.cuda.empty_cache()
+    from fp8kit.models import add_tokenizer
+
+    add_tokenizer(src, (ROOT / "fp8kit/data/sample.txt").read_text() * 4, vocab_size=2048)
+    return src
+
+
+def prompts_for(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def low_token_reward(vocab: int):
+    def low_token_share(prompts, completions, completion_ids, **_):
+        return [sum(t < vocab // 32 for t in ids) / max(1, len(ids)) for ids in completion_ids]
+
+    return low_token_share
+
+
+class TokenPrompts:
+    """A tokenizer stand-in for prompts that are token ids already (the text tokenizer stays for decoding)."""
+
+    def __init__(self, tokenizer, table: dict[str, list[int]]):
+        self.tokenizer, self.table = tokenizer, table
+        self.pad_token_id, self.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+
+    def __call__(self, text):
+        return {"input_ids": self.table[text]}
+
+    def batch_decode(self, ids, **kw):
+        return [""] * len(ids)
+
+
+def run_variant(args) -> dict:
+    import torch
+
+    from fp8kit.rl.grpo import GRPOConfig, train
+    from fp8kit.rl.loader import lora_modules, write_adapter
+    from fp8kit.rl.model import load_model
+    from fp8kit.rl.vllm_engine import storage_pointers
+
+    checkpoint = Path(args.checkpoint)
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(checkpoint, load_in_fp8=args.variant != "bf16", dtype=torch.bfloat16,
+                                  max_seq_length=WORKLOAD["prompt_tokens"] + WORKLOAD["max_completion_length"] + 8,
+                                  lora_rank=LORA_RANK, gpu_memory_utilization=0.5,
+                                  vllm_kwargs={"kv_cache_memory_bytes": KV_CACHE_BYTES})
+    load_s = time.perf_counter() - t0
+    engine = model.rollout_engine
+    assert engine.name == "vllm", engine.name
+    vllm_ptrs = storage_pointers(engine.vllm_model)
+    vllm_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                      for t in engine.vllm_model.parameters()}.values())
+    lora_ids = {id(p) for m in lora_modules(model).values() for p in (m.lora_A, m.lora_B)}
+    base = [t for n, t in list(model.named_parameters()) + list(model.named_buffers())
+            if id(t) not in lora_ids and "rotary" not in n]
+    not_shared = [t for t in base if t.untyped_storage().data_ptr() not in vllm_ptrs]
+    lora_bytes = sum(p.numel() * p.element_size() for m in lora_modules(model).values() for p in (m.lora_A, m.lora_B))
+    vocab = model.config.vocab_size
+    table = {f"p{i}": ids for i, ids in enumerate(prompts_for(vocab, 256, WORKLOAD["prompt_tokens"]))}
+    config = GRPOConfig(steps=args.steps, prompts_per_step=WORKLOAD["prompts_per_step"],
+                        num_generations=WORKLOAD["num_generations"],
+                        max_completion_length=WORKLOAD["max_completion_length"], learning_rate=2e-4,
+                        gradient_accumulation_steps=4, seed=0)
+    history = []
+    with PeakMemory() as peak:
+        train(model, TokenPrompts(tokenizer, table), list(table), [low_token_reward(vocab)], config,
+              on_step=lambda m: (history.append(m), print(json.dumps(m), flush=True)))
+    adapter = Path(args.workdir) / f"adapter-{args.variant}"
+    import shutil
+
+    shutil.rmtree(adapter, ignore_errors=True)
+    adapter.mkdir(parents=True)
+    write_adapter(model, adapter, str(checkpoint))
+    steady = history[1:] or history
+    return {
+        "checkpoint": str(checkpoint), "scheme": model.fp8_scheme, "load_s": load_s,
+        "weights": {"vllm_weight_bytes": vllm_bytes, "trainer_base_tensors": len(base),
+                    "trainer_base_tensors_not_vllm_storage": len(not_shared),
+                    "trainer_lora_bytes": lora_bytes,
+                    "trainer_allocated_bytes": engine.trainer_allocated_bytes},
+        "peak_device_memory_bytes": peak.peak,
+        "peak_torch_allocated_bytes": max(h["peak_gpu_memory_bytes"] for h in history),
+        "rollout_tokens_per_s": sorted(h["rollout_tokens_per_s"] for h in steady)[len(steady) // 2],
+        "generation_s": sum(h["generation_s"] for h in steady), "training_s": sum(h["training_s"] for h in steady),
+        "reward_curve": [h["reward_mean"] for h in history], "mismatch_kl": [h["mismatch_kl"] for h in history],
+        "steps": history, "adapter": str(adapter),
+    }
+
+
+def run_standalone(args) -> dict:
+    """The same checkpoint, adapter and sampling as one GRPO step, in a plain vLLM engine."""
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.checkpoint).vocab_size
+    llm = LLM(args.checkpoint, dtype="bfloat16", enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1,
+              max_model_len=WORKLOAD["prompt_tokens"] + WORKLOAD["max_completion_length"] + 8,
+              gpu_memory_utilization=0.5, kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0)
+    lora = LoRARequest("adapter", 1, args.adapter)
+    prompts = prompts_for(vocab, 256, WORKLOAD["prompt_tokens"])
+    rates = []
+    for step in range(1, args.steps + 1):
+        import random
+
+        picked = random.Random(step).sample(prompts, WORKLOAD["prompts_per_step"])
+        params = SamplingParams(n=WORKLOAD["num_generations"], max_tokens=WORKLOAD["max_completion_length"],
+                                temperature=1.0, logprobs=0, seed=step)
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in picked], params, lora_request=lora, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        rates.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / seconds)
+    steady = rates[1:] or rates
+    return {"rollout_tokens_per_s": sorted(steady)[len(steady) // 2], "per_step": rates}
+
+
+def subprocess_json(argv: list[str], env: dict) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, env=env, timeout=560)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0 or "@@RESULT@@" not in log:
+        return {"error": [line for line in log.splitlines() if "Error" in line or "error" in line][-5:],
+                "tail": log[-3000:], "wall_s": time.perf_counter() - t0}
+    result = json.loads(log.split("@@RESULT@@")[1])
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="fp8,bf16")
+    ap.add_argument("--shape", default="tinyllama-1.1b", choices=list(SHAPES))
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--workdir", default="/tmp/grpo-gpu")
+    ap.add_argument("--out", default=str(ROOT / "evals/results/grpo_gpu.json"))
+    ap.add_argument("--skip-standalone", action="store_true")
+    ap.add_argument("--variant")  # internal: one runtime run
+    ap.add_argument("--checkpoint")
+    ap.add_argument("--standalone", action="store_true")  # internal
+    ap.add_argument("--adapter")
+    args = ap.parse_args()
+    if args.variant:
+        result = run_standalone(args) if args.standalone else run_variant(args)
+        print("@@RESULT@@" + json.dumps(result) + "@@RESULT@@", flush=True)
+        return
+
+    import torch
+    import vllm
+
+    from fp8kit import convert
+
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    src = build(workdir, args.shape)
+    out = Path(args.out)
+    report = json.loads(out.read_text()) if out.exists() else {}
+    report.update({"gpu": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
+                   "python": platform.python_version(), "model": {"shape": args.shape, **SHAPES[args.shape]},
+                   "workload": {**WORKLOAD, "steps": args.steps, "lora_rank": LORA_RANK,
+                                "kv_cache_bytes": KV_CACHE_BYTES}})
+    report.setdefault("commands", []).append("python evals/grpo_gpu.py " + " ".join(sys.argv[1:]))
+    runs = report.setdefault("runs", {})
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    for variant in args.variants.split(","):
+        checkpoint = src
+        if variant == "fp8":
+            checkpoint = workdir / f"{args.shape}-fp8-dynamic"
+            if not (checkpoint / "config.json").exists():
+                convert(src, checkpoint, scheme="dynamic", device="cuda")
+        run = subprocess_json(["--variant", variant, "--checkpoint", str(checkpoint), "--steps", str(args.steps),
+                               "--workdir", str(workdir)], env)
+        if "adapter" in run and not args.skip_standalone:
+            run["standalone"] = subprocess_json(["--variant", variant, "--standalone", "--checkpoint", str(checkpoint),
+                                                 "--adapter", run["adapter"], "--steps", str(args.steps),
+                                                 "--workdir", str(workdir)], env)
+            if "rollout_tokens_per_s" in run["standalone"]:
+                run["rollout_vs_standalone_vllm"] = run["rollout_tokens_per_s"] / run["standalone"]["rollout_tokens_per_s"]
+        runs[f"{args.shape}/{variant}"] = run
+        print(variant, json.dumps({k: v for k, v in run.items() if k != "steps"})[:3000], flush=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    fp8, bf16 = runs.get(f"{args.shape}/fp8", {}), runs.get(f"{args.shape}/bf16", {})
+    if "peak_device_memory_bytes" in fp8 and "peak_device_memory_bytes" in bf16:
+        report["peak_memory_ratio_fp8_vs_bf16"] = fp8["peak_device_memory_bytes"] / bf16["peak_device_memory_bytes"]
+        report["peak_torch_allocated_ratio_fp8_vs_bf16"] = (fp8["peak_torch_allocated_bytes"]
+                                                            / bf16["peak_torch_allocated_bytes"])
+    if "rollout_vs_standalone_vllm" in fp8:
+        report["rollout_vs_standalone_vllm"] = fp8["rollout_vs_standalone_vllm"]
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""GRPO on a frozen (FP8 or BF16) base with LoRA: rollouts, rewards, group advantages, clipped policy loss.
+
+One update per rollout batch (TRL's num_iterations=1), so the "old" policy is the current one detached;
+what corrects the gap between the rollout engine and the trainer is truncated importance sampling with the
+engine's own log-probabilities (on by default: vLLM's FP8 kernels and ours agree only up to accumulation
+order). Every step's randomness (which prompts, which samples) is seeded from (seed, step), so a run resumed
+from a checkpoint replays the following steps exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from fp8kit.errors import Fp8kitError
+from fp8kit.rl.grpo_loss import LOSS_TYPES, group_advantages, mismatch_kl, policy_loss, truncated_importance_weights
+from fp8kit.rl.loader import adapters_disabled, load_adapter, lora_modules, write_adapter
+from fp8kit.rl.rollout import Completion, HFRollout, sampled_logprobs
+
+SCHEDULES = ("constant", "linear", "cosine")
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+@dataclass
+class GRPOConfig:
+    steps: int = 100
+    prompts_per_step: int = 4
+    num_generations: int = 8
+    max_completion_length: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    loss_type: str = "grpo"  # grpo | dr_grpo | dapo | gspo
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon, except dapo's clip-higher 0.28 (DAPO paper)
+    beta: float = 0.0  # KL penalty against the base model (adapters disabled)
+    scale_rewards: bool | None = None  # None: divide advantages by the group std, except for dr_grpo
+    importance_sampling: bool = True  # truncated IS with the rollout engine's log-probabilities
+    importance_sampling_cap: float = 2.0
+    learning_rate: float = 5e-5
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    max_grad_norm: float = 1.0
+    gradient_accumulation_steps: int = 1  # micro-batches per step
+    seed: int = 0
+    output_dir: str | None = None
+    save_steps: int = 0  # write output_dir/checkpoint-<step> every so many steps (0: never)
+    reward_weights: list[float] | None = field(default=None)
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise Fp8kitError(f"loss_type {self.loss_type!r}: expected one of {', '.join(LOSS_TYPES)}")
+        if self.lr_scheduler not in SCHEDULES:
+            raise Fp8kitError(f"lr_scheduler {self.lr_scheduler!r}: expected one of {', '.join(SCHEDULES)}")
+        if self.num_generations < 2:
+            raise Fp8kitError("num_generations must be at least 2: advantages are relative to the group")
+        if self.save_steps and not self.output_dir:
+            raise Fp8kitError("save_steps needs output_dir")
+        if self.epsilon_high is None:
+            self.epsilon_high = 0.28 if self.loss_type == "dapo" else self.epsilon
+        if self.scale_rewards is None:
+            self.scale_rewards = self.loss_type != "dr_grpo"  # Dr. GRPO drops the std normalisation
+        self.adam_betas = tuple(self.adam_betas)
+
+
+def learning_rate_at(config: GRPOConfig, step: int) -> float:
+    """Linear warmup, then constant, linear or cosine decay to zero at config.steps (step is 1-based)."""
+    if step <= config.warmup_steps:
+        return config.learning_rate * step / max(1, config.warmup_steps)
+    if config.lr_scheduler == "constant":
+        return config.learning_rate
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    if config.lr_scheduler == "linear":
+        return config.learning_rate * max(0.0, 1.0 - progress)
+    return config.learning_rate * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step) % (2**31 - 1)
+
+
+def _batch(prompt_ids: list[list[int]], completions: list[Completion], n: int, pad_id: int, device):
+    """Left-padded prompts then right-padded completions: [N, P + T] ids, attention mask, positions, plus the
+    [N, T] completion ids, mask and rollout log-probabilities."""
+    rows = [p for p in prompt_ids for _ in range(n)]
+    width, length = max(len(p) for p in rows), max(1, max(len(c.token_ids) for c in completions))
+    ids = torch.full((len(rows), width + length), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    rollout_logp = torch.zeros((len(rows), length))
+    for i, (p, c) in enumerate(zip(rows, completions)):
+        ids[i, width - len(p): width] = torch.tensor(p)
+        ids[i, width: width + len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
+        attention[i, width - len(p): width + len(c.token_ids)] = 1
+        rollout_logp[i, : len(c.logprobs)] = torch.tensor(c.logprobs)
+    positions = (attention.cumsum(-1) - 1).clamp_min(0)
+    return {"input_ids": ids.to(device), "attention_mask": attention.to(device), "position_ids": positions.to(device),
+            "completion_ids": ids[:, width:].to(device), "mask": attention[:, width:].float().to(device),
+            "rollout_logp": rollout_logp.to(device)}
+
+
+def completion_logprobs(model: nn.Module, batch: dict, rows: slice, temperature: float) -> torch.Tensor:
+    """The trainer's log-probabilities of the completion tokens under logits / temperature, [rows, T]."""
+    length = batch["completion_ids"].shape[1]
+    logits = model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
+                   position_ids=batch["position_ids"][rows], logits_to_keep=length + 1).logits[:, :-1]
+    return sampled_logprobs(logits, batch["completion_ids"][rows], temperature)
+
+
+def _rewards(reward_funcs, weights, prompts, completions_text, completion_ids, extra) -> tuple[torch.Tensor, dict]:
+    total = torch.zeros(len(completions_text))
+    per_func = {}
+    for i, func in enumerate(reward_funcs):
+        values = func(prompts=prompts, completions=completions_text, completion_ids=completion_ids, **extra)
+        values = torch.tensor([float("nan") if v is None else float(v) for v in values])
+        if values.shape != total.shape:
+            raise Fp8kitError(f"reward function {getattr(func, '__name__', i)} returned {values.numel()} values for "
+                              f"{total.numel()} completions")
+        per_func[f"reward/{getattr(func, '__name__', i)}"] = values.nanmean().item()
+        total += (weights[i] if weights else 1.0) * values.nan_to_num(0.0)
+    return total, per_func
+
+
+def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict,
+                    step: int, config: GRPOConfig) -> Path:
+    """The adapter in PEFT's format plus the float32 master weights and AdamW's state (safetensors, never
+    pickle) and the step, written into a temporary folder and renamed: a run killed mid-save leaves the previous
+    checkpoint intact."""
+    from safetensors.torch import save_file
+
+    from fp8kit.converter.output import atomic_directory
+
+    tensors, steps = {}, {}
+    for name, master in masters.items():
+        tensors[f"{name}.master"] = master.detach().contiguous().cpu()
+        state = optimizer.state.get(master)
+        if state:
+            tensors[f"{name}.exp_avg"] = state["exp_avg"].detach().contiguous().cpu()
+            tensors[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].detach().contiguous().cpu()
+            steps[name] = float(state["step"])
+    with atomic_directory(directory.resolve(), overwrite=True) as tmp:
+        write_adapter(model, tmp)
+        save_file(tensors, tmp / OPTIMIZER_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "optimizer_steps": steps, "config": asdict(config)},
+                                                 indent=2) + "\n")
+    return directory
+
+
+def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict) -> int:
+    """Adapter, master weights and AdamW state back in place; returns the step the checkpoint was written after."""
+    from safetensors.torch import load_file
+
+    try:
+        state = json.loads((directory / STATE_FILE).read_text())
+        tensors = load_file(directory / OPTIMIZER_FILE)
+    except (OSError, ValueError) as e:
+        raise Fp8kitError(f"{directory}: not a readable fp8kit GRPO checkpoint ({e}); pass a checkpoint-<step> "
+                          f"folder written by train()") from e
+    load_adapter(model, directory)
+    params = dict(model.named_parameters())
+    for name, master in masters.items():
+        if f"{name}.master" not in tensors or tensors[f"{name}.master"].shape != master.shape:
+            raise Fp8kitError(f"{directory}: the checkpoint's weights for {name} do not match the model")
+        with torch.no_grad():
+            master.copy_(tensors[f"{name}.master"])
+            params[name].copy_(master)
+        if name in state["optimizer_steps"]:
+            optimizer.state[master] = {"step": torch.tensor(state["optimizer_steps"][name]),
+                                       "exp_avg": tensors[f"{name}.exp_avg"].to(master.device),
+                                       "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(master.device)}
+    return int(state["step"])
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    found = [(int(p.name.split("-")[1]), p) for p in Path(output_dir).glob("checkpoint-*")
+             if p.name.split("-")[1].isdigit() and (p / STATE_FILE).exists()]
+    return max(found)[1] if found else None
+
+
+def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callable], config: GRPOConfig,
+          rollout=None, resume_from: str | Path | None = None, on_step: Callable[[dict], None] | None = None) -> list[dict]:
+    """Runs config.steps GRPO steps; returns (and passes to on_step) one metrics dict per step.
+
+    prompts: strings, or dicts with a "prompt" string whose other keys reach the reward functions as keyword
+    arguments (TRL's convention). A reward function is called as f(prompts=, completions=, completion_ids=,
+    **columns) and returns one float per completion. rollout: the engine that samples (default: transformers'
+    generate on `model`, or the vLLM engine load_model attached)."""
+    rollout = rollout or getattr(model, "rollout_engine", None) or HFRollout(model, tokenizer)
+    rows = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
+    if not rows or not all(isinstance(r.get("prompt"), str) for r in rows):
+        raise Fp8kitError("prompts: expected a non-empty list of strings or of dicts with a 'prompt' string")
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not trainable or not lora_modules(model):
+        raise Fp8kitError("the model has no trainable LoRA parameters (load it with lora_rank > 0)")
+    params = list(trainable.values())
+    # AdamW steps float32 master weights: in fp16 its eps (1e-8) and small second moments underflow to zero,
+    # and bf16 rounds away updates smaller than its 8-bit mantissa
+    masters = {n: p if p.dtype == torch.float32 else p.detach().float().clone() for n, p in trainable.items()}
+    optimizer = torch.optim.AdamW(list(masters.values()), lr=config.learning_rate, betas=config.adam_betas,
+                                  weight_decay=config.weight_decay)
+    start = 0
+    if resume_from is not None:
+        resume_from = Path(resume_from)
+        if resume_from.name == "latest" or not (resume_from / STATE_FILE).exists():
+            resume_from = latest_checkpoint(resume_from.parent if resume_from.name == "latest" else resume_from) \
+                or resume_from
+        start = load_checkpoint(resume_from, model, optimizer, masters)
+        rollout.sync_lora(model)
+    device = params[0].device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    n = config.num_generations
+    history = []
+    for step in range(start + 1, config.steps + 1):
+        seed = _step_seed(config.seed, step)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        picked = random.Random(seed).sample(rows, min(config.prompts_per_step, len(rows)))
+        prompt_ids = [tokenizer(r["prompt"])["input_ids"] for r in picked]
+
+        t0 = time.perf_counter()
+        completions = rollout.generate(prompt_ids, n, config.max_completion_length, config.temperature,
+                                       config.top_p, seed)
+        gen_s = time.perf_counter() - t0
+        texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        extra = {k: [r.get(k) for r in picked for _ in range(n)] for k in picked[0] if k != "prompt"}
+        rewards, per_func = _rewards(reward_funcs, config.reward_weights, [r["prompt"] for r in picked for _ in range(n)],
+                                     texts, [c.token_ids for c in completions], extra)
+        advantages = group_advantages(rewards, n, scale_rewards=config.scale_rewards).to(device)
+
+        t0 = time.perf_counter()
+        rollout.sleep()  # the engine's KV cache is released while the trainer needs the memory
+        batch = _batch(prompt_ids, completions, n, pad_id, device)
+        lr = learning_rate_at(config, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        model.train()
+        chunks = torch.arange(len(completions)).chunk(config.gradient_accumulation_steps)
+        stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "mismatch_kl": 0.0, "is_weight_mean": 0.0}
+        for idx in chunks:
+            part = slice(int(idx[0]), int(idx[-1]) + 1)
+            logp = completion_logprobs(model, batch, part, config.temperature)
+            mask, rollout_logp = batch["mask"][part], batch["rollout_logp"][part]
+            ref_logp = None
+            if config.beta:
+                with torch.no_grad(), adapters_disabled(model):
+                    ref_logp = completion_logprobs(model, batch, part, config.temperature)
+            is_weights = (truncated_importance_weights(logp.detach(), rollout_logp, config.importance_sampling_cap)
+                          if config.importance_sampling else None)
+            out = policy_loss(logp, logp.detach(), advantages[part], mask, config.loss_type, config.epsilon,
+                              config.epsilon_high, config.beta, ref_logp, is_weights, config.max_completion_length)
+            (out.loss / len(chunks)).backward()
+            share = 1.0 / len(chunks)
+            stats["loss"] += out.loss.item() * share
+            stats["kl"] += out.kl * share
+            stats["clip_ratio"] += out.clip_ratio * share
+            stats["mismatch_kl"] += mismatch_kl(logp.detach(), rollout_logp, mask).item() * share
+            if is_weights is not None:
+                stats["is_weight_mean"] += ((is_weights * mask).sum() / mask.sum().clamp_min(1)).item() * share
+        for name, p in trainable.items():
+            if masters[name] is not p:
+                masters[name].grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+        grad_norm = torch.nn.utils.clip_grad_norm_(list(masters.values()), config.max_grad_norm).item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, p in trainable.items():
+                if masters[name] is not p:
+                    p.copy_(masters[name])
+        rollout.sync_lora(model)  # the engine samples the next step from the updated adapter
+        rollout.wake()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        train_s = time.perf_counter() - t0
+
+        completion_tokens = int(batch["mask"].sum().item())
+        metrics = {"step": step, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+                   **per_func, **stats, "grad_norm": grad_norm, "lr": lr,
+                   "completion_length": completion_tokens / len(completions),
+                   "rollout_tokens_per_s": completion_tokens / gen_s,
+                   "train_tokens_per_s": int(batch["attention_mask"].sum().item()) / train_s,
+                   "generation_s": gen_s, "training_s": train_s,
+                   "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+        if not config.importance_sampling:
+            del metrics["is_weight_mean"]
+        history.append(metrics)
+        if on_step is not None:
+            on_step(metrics)
+        if config.save_steps and step % config.save_steps == 0:
+            save_checkpoint(Path(config.output_dir) / f"checkpoint-{step}", model, optimizer, masters, step, config)
+    return history

@@ -1,0 +1,81 @@
+"""`load_model`: the one call that gives an RL run its policy, in FP8 or the BF16/FP16 baseline, with the
+rollout engine attached (vLLM sharing the policy's weights on a GPU, transformers' generate elsewhere)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fp8kit.errors import Fp8kitError
+from fp8kit.rl.loader import load_fp8_model, load_lora_model, read_config
+from fp8kit.rl.rollout import HFRollout
+
+
+def _vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dtype = torch.bfloat16,
+               max_seq_length: int = 2048, lora_rank: int = 32, lora_alpha: float | None = None,
+               target_modules: list[str] | None = None, fast_inference: bool = True,
+               gpu_memory_utilization: float = 0.6, device: str | None = None, backend: str | None = None,
+               vllm_kwargs: dict | None = None):
+    """Returns (model, tokenizer). `model.rollout_engine` samples for GRPO.
+
+    load_in_fp8: True for per-channel FP8 (row-wise, the fastest on SM89+), "block" for 128x128 blocks, False
+    for the full-precision baseline. The name goes through the registry: a pre-quantized upload, or our
+    conversion made once and cached; a local FP8 checkpoint is used as it is. With fast_inference and vLLM
+    installed on a CUDA machine, vLLM is started in this process and the model's weights are views of vLLM's
+    (one copy on the GPU; vllm_kwargs reach vllm.LLM, e.g. kv_cache_memory_bytes); otherwise rollouts use
+    transformers' generate on the model itself."""
+    from transformers import AutoTokenizer
+
+    if load_in_fp8 not in (True, False, "block", "dynamic"):
+        raise Fp8kitError(f"load_in_fp8={load_in_fp8!r}: expected True, 'block' or False")
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise Fp8kitError(f"dtype {dtype}: expected torch.bfloat16 or torch.float16 (float32 for CPU reference work)")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    path = _checkpoint(str(name), load_in_fp8)
+    scheme = read_config(path)[1]
+    lora = dict(lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules)
+    if fast_inference and torch.device(device).type == "cuda" and _vllm_available():
+        from fp8kit.rl.vllm_engine import VLLMRollout
+
+        engine = VLLMRollout(path, dtype=dtype, max_seq_length=max_seq_length,
+                             gpu_memory_utilization=gpu_memory_utilization, lora_rank=lora_rank,
+                             target_modules=target_modules, **(vllm_kwargs or {}))
+        model = engine.training_model(scheme, dtype, backend=backend, **lora)
+    else:
+        if scheme:
+            model = load_fp8_model(path, dtype, device=device, backend=backend, **lora)
+        else:
+            model = load_lora_model(path, dtype, device=device, **lora)
+        engine = None
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.rollout_engine = engine or HFRollout(model, tokenizer)
+    model.max_seq_length = max_seq_length
+    model.name_or_path = str(name)
+    return model, tokenizer
+
+
+def _checkpoint(name: str, load_in_fp8: bool | str) -> Path:
+    """The local directory to load: an FP8 variant from the registry, or the original for the baseline."""
+    from fp8kit.converter.source import resolve as source_resolve
+
+    local = Path(name).expanduser()
+    if local.is_dir() and read_config(local)[1] is not None:
+        if load_in_fp8 is False:
+            raise Fp8kitError(f"{local}: already an FP8 checkpoint; the load_in_fp8=False baseline needs the original")
+        return local
+    if load_in_fp8 is False:
+        return source_resolve(name)
+    from fp8kit.registry import ensure
+
+    return ensure(name, "block" if load_in_fp8 == "block" else "dynamic")

@@ -1,0 +1,73 @@
+"""Rollouts with transformers' generate on the training model itself: the engine where vLLM is absent (CPU,
+CI) or not wanted (`fast_inference=False`). It answers the same calls as the vLLM engine (generate with the
+sampled tokens' log-probabilities, sync_lora, sleep, wake), so the GRPO loop does not know which it has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token under the sampling distribution (logits / temperature)
+
+
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T)[token] in float32, without materializing the full log-softmax twice."""
+    logits = logits.float() / temperature
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+class HFRollout:
+    """transformers' generate on the training model: same weights, same FP8 numerics as training."""
+
+    name = "transformers"
+
+    def __init__(self, model: nn.Module, tokenizer):
+        self.model = model
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_id = tokenizer.eos_token_id
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int = 0) -> list[Completion]:
+        """n completions per prompt, prompt-major; each stops after EOS (kept) or at max_tokens."""
+        device = next(self.model.parameters()).device
+        rows = [p for p in prompt_ids for _ in range(n)]
+        width = max(len(p) for p in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, p in enumerate(rows):  # left padding: every row's next token lands in the same column
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        torch.manual_seed(seed)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
+                                      temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_tokens,
+                                      pad_token_id=self.pad_id, eos_token_id=self.eos_id, output_logits=True,
+                                      return_dict_in_generate=True)
+        finally:
+            self.model.train(was_training)
+        new = out.sequences[:, width:]
+        logps = sampled_logprobs(torch.stack(out.logits, dim=1)[:, : new.shape[1]], new, temperature)
+        completions = []
+        for row, lp in zip(new.tolist(), logps.tolist()):
+            end = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
+            completions.append(Completion(row[:end], lp[:end]))
+        return completions
+
+    def sync_lora(self, model: nn.Module) -> None:
+        """Nothing to do: generation runs on the training model's own LoRA parameters."""
+
+    def sleep(self) -> None:
+        """Nothing to release: generate keeps no cache between calls."""
+
+    def wake(self) -> None:
+        pass

@@ -1,0 +1,221 @@
+"""vLLM in the training process, sharing one copy of the weights with the trainer.
+
+vLLM loads the checkpoint once; the training model is then assembled from *views* of vLLM's parameters
+(`fp8kit.rl.loader.assemble`), so the FP8 weights, scales, norms and embeddings exist once on the GPU. The
+layouts this relies on (vLLM 0.25, read from its source):
+- q/k/v and gate/up are fused row-wise ([q | k | v], [gate | up]); slicing rows of an [out, in] row-major
+  tensor gives views, never copies;
+- per-channel and per-tensor FP8 weights are stored as the transpose view [in, out] of the loaded [out, in]
+  storage (compressed_tensors_w8a8_fp8.py process_weights_after_loading: `layer.weight = weight.t()`), block
+  and BF16 weights stay [out, in]; fused per-tensor shards are re-quantized to one shared scale
+  (w8a8_utils.requantize_with_max_scale), so the trainer uses exactly the bytes vLLM serves;
+- embeddings are padded to a multiple of 64 rows (vocab_parallel_embedding.py): the trainer sees the first
+  vocab_size rows.
+Parameters are replaced during vLLM's post-load processing, so views are taken after `LLM(...)` returns.
+
+LoRA reaches vLLM every step by writing the adapter in place into vLLM's stacked LoRA buffers (B scaled by
+alpha/r, which vLLM folds into B at load: lora_weights.LoRALayerWeights.optimize); the buffers are never
+re-bound, so CUDA graphs stay valid, and nothing is reloaded. While the trainer runs, vLLM sleeps at level 1
+and wakes its weights at once: the KV cache is released and the weights come back at the same virtual
+addresses (device_allocator/cumem.py maps each handle at its recorded address), so the views stay valid.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fp8kit.errors import Fp8kitError
+from fp8kit.rl.rollout import Completion
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+LORA_ID = 1
+
+
+def split_sizes(config, fused: str) -> list[int]:
+    """Row counts of the HF projections inside vLLM's fused one, in vLLM's order."""
+    text = config.get_text_config()
+    if fused == "qkv_proj":
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv = text.num_key_value_heads * head_dim
+        return [text.num_attention_heads * head_dim, kv, kv]
+    return [text.intermediate_size, text.intermediate_size]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """The [out, in] row-major view of a vLLM Linear weight, whichever way vLLM stores it."""
+    if t.ndim == 2 and not t.is_contiguous() and t.t().is_contiguous():
+        return t.t()
+    if not t.is_contiguous():
+        raise Fp8kitError(f"vLLM weight of shape {tuple(t.shape)} and strides {t.stride()} is neither [out, in] nor "
+                          f"its transpose; this vLLM version stores weights in a layout fp8kit cannot share")
+    return t
+
+
+def shared_tensors(vllm_model: nn.Module, config, scheme: str | None) -> dict:
+    """HF tensor name -> getter of a view of vLLM's storage (no copies), for loader.assemble."""
+    vocab = config.get_text_config().vocab_size
+    out = {}
+    params = dict(vllm_model.named_parameters())
+    params.update({n: b for n, b in vllm_model.named_buffers() if n.endswith(("weight_scale", "weight_scale_inv"))})
+    for name, tensor in params.items():
+        name = name.replace(".base_layer.", ".")
+        module, _, leaf = name.rpartition(".")
+        if leaf == "input_scale" or "lora_" in name:
+            continue
+        if leaf == "weight_scale_inv":
+            leaf = "weight_scale"
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            out[name] = (lambda t=tensor: t[:vocab])
+            continue
+        parent, _, short = module.rpartition(".")
+        if short in FUSED:
+            sizes = split_sizes(config, short)
+            if leaf == "weight":
+                parts = torch.split(_rows(tensor), sizes, dim=0)
+            elif leaf == "bias":
+                parts = torch.split(tensor, sizes, dim=0)
+            elif tensor.numel() == 1:  # per-tensor: one scale shared by the fused shards after re-quantization
+                parts = [tensor] * len(sizes)
+            elif scheme == "block":
+                if any(s % 128 for s in sizes):
+                    raise Fp8kitError(f"{module}: fused rows {sizes} are not multiples of 128; block scales cannot be split")
+                parts = torch.split(tensor, [s // 128 for s in sizes], dim=0)
+            else:
+                parts = torch.split(tensor, sizes, dim=0)
+            for sub, part in zip(FUSED[short], parts):
+                out[f"{parent}.{sub}.{leaf}"] = (lambda t=part: t)
+        elif leaf == "weight" and tensor.ndim == 2 and tensor.dtype == torch.float8_e4m3fn:
+            out[name] = (lambda t=_rows(tensor): t)
+        elif leaf in ("weight", "bias", "weight_scale"):
+            out[f"{module}.{leaf}"] = (lambda t=tensor: t)
+    return out
+
+
+def storage_pointers(model: nn.Module) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers()) if t.is_cuda}
+
+
+class VLLMRollout:
+    """A vLLM engine in this process; its weights are the training model's."""
+
+    name = "vllm"
+
+    def __init__(self, path: str | Path, dtype: torch.dtype = torch.bfloat16, max_seq_length: int = 2048,
+                 gpu_memory_utilization: float = 0.6, lora_rank: int = 32, target_modules=None,
+                 **engine_kwargs):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model must live in this process
+        from vllm import LLM
+
+        self.path = Path(path)
+        self.lora_rank = lora_rank
+        from fp8kit.rl.loader import DEFAULT_TARGETS
+
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise Fp8kitError(f"dtype {dtype}: vLLM rollouts need torch.bfloat16 or torch.float16")
+        # only the projections: left unrestricted, vLLM would also wrap embed_tokens and lm_head
+        self.target_modules = list(target_modules or DEFAULT_TARGETS)
+        lora = {}
+        if lora_rank:
+            lora = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=1,
+                        lora_target_modules=self.target_modules)
+        self.llm = LLM(str(path), dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype],
+                       max_model_len=max_seq_length, gpu_memory_utilization=gpu_memory_utilization,
+                       enable_sleep_mode=True, logprobs_mode="processed_logprobs", seed=0, **lora, **engine_kwargs)
+        worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        self.runner = worker.model_runner
+        self.vllm_model = worker.get_model()
+        self.lora_request = None
+        self._slot = None
+        self.asleep = False
+
+    def training_model(self, scheme: str | None, dtype: torch.dtype, lora_rank: int = 32,
+                       lora_alpha: float | None = None, target_modules=None, backend: str | None = None) -> nn.Module:
+        """The transformers model assembled on views of vLLM's weights, LoRA attached and registered with vLLM."""
+        from transformers import AutoConfig
+
+        from fp8kit.rl.loader import assemble
+
+        config = AutoConfig.from_pretrained(self.path)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        targets = set(target_modules or self.target_modules)
+        before = torch.cuda.memory_allocated()
+        model = assemble(config, shared_tensors(self.vllm_model, config, scheme), scheme, dtype, lora_rank, lora_alpha,
+                         targets, 0.0, backend, f"vLLM engine for {self.path}")
+        model.to("cuda")  # moves only what is not vLLM's already: the rotary tables built on the CPU
+        self.trainer_allocated_bytes = torch.cuda.memory_allocated() - before  # LoRA and rotary tables only
+        if lora_rank:
+            self._register_adapter(model)
+        return model
+
+    def _register_adapter(self, model: nn.Module) -> None:
+        """vLLM loads the initial adapter once from a file through its own API; later steps write in place."""
+        from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
+
+        from fp8kit.rl.loader import write_adapter
+
+        folder = Path(tempfile.mkdtemp(prefix="fp8kit-lora-"))
+        write_adapter(model, folder, str(self.path))
+        self.lora_request = LoRARequest("fp8kit-policy", LORA_ID, str(folder))
+        self.llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1), lora_request=self.lora_request,
+                          use_tqdm=False)
+        manager = self.runner.lora_manager._adapter_manager
+        self._manager = manager
+        self._slot = manager.lora_index_to_id.index(LORA_ID)
+        manager.pin_adapter(LORA_ID)
+
+    @torch.no_grad()
+    def sync_lora(self, model: nn.Module) -> None:
+        """Write the trainer's LoRA into vLLM's active adapter slot (B scaled by alpha/r), in place."""
+        if self.lora_request is None:
+            return
+        from fp8kit.rl.loader import lora_modules
+
+        ours = lora_modules(model)
+        slot = self._slot
+        for name, module in self._manager.modules.items():
+            subs = self._manager.packed_modules.get(name, [name])
+            for i, sub in enumerate(subs):
+                m = ours.get(sub)
+                a, b = module.lora_a_stacked[i][slot, 0], module.lora_b_stacked[i][slot, 0]
+                if m is None:
+                    a.zero_()
+                    b.zero_()
+                    continue
+                a[: m.rank, : m.in_features].copy_(m.lora_A)
+                b[: m.out_features, : m.rank].copy_(m.lora_B * m.scaling)
+        torch.cuda.synchronize()
+
+    def sleep(self) -> None:
+        """Release the KV cache for training; the weights stay at their addresses (level 1, weights re-woken)."""
+        if not self.asleep:
+            self.llm.sleep(level=1)
+            self.llm.wake_up(tags=["weights"])
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+
+    def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int = 0) -> list[Completion]:
+        from vllm import SamplingParams
+
+        self.wake()
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
+                                seed=seed)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, lora_request=self.lora_request,
+                                 use_tqdm=False)
+        completions = []
+        for o in outs:
+            for c in sorted(o.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                completions.append(Completion(ids, [d[t].logprob for d, t in zip(c.logprobs, ids)]))
+        return completions

@@ -1,0 +1,31 @@
+"""On a CUDA machine with vLLM: GRPO with vLLM rollouts in the process, one copy of the weights."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["fp8", "bf16"])
+def test_vllm_shares_the_trainers_weights(tmp_path, variant):
+    pytest.importorskip("vllm")
+    out = tmp_path / "grpo.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "evals/grpo_gpu.py"), "--shape", "tiny", "--variants", variant,
+                           "--steps", "3", "--skip-standalone", "--workdir", str(tmp_path), "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(out.read_text())["runs"][f"tiny/{variant}"]
+    assert "error" not in run, run
+    weights = run["weights"]
+    assert weights["trainer_base_tensors"] > 0
+    assert weights["trainer_base_tensors_not_vllm_storage"] == 0  # every base tensor is a view of vLLM's storage
+    # building the trainer allocated the LoRA parameters, not a second copy of the weights
+    assert weights["trainer_allocated_bytes"] < 2 * weights["trainer_lora_bytes"] + (8 << 20)
+    assert len(run["reward_curve"]) == 3
+    assert all(0.0 <= k < 0.05 for k in run["mismatch_kl"]), run["mismatch_kl"]

@@ -1,0 +1,162 @@
+"""The FP8 GRPO runtime on CPU: the toy run learns, a resumed run replays the next step exactly, load_model's
+variants, the reference policy, float16, and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8kit.errors import Fp8kitError
+from fp8kit.models import add_tokenizer, build_checkpoint
+from fp8kit.rl.grpo import GRPOConfig, learning_rate_at, train
+from fp8kit.rl.loader import adapters_disabled, lora_modules
+from fp8kit.rl.model import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = ROOT / "evals" / "grpo_toy.py"
+
+
+def _toy(workdir: Path, *args: str) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(TOY), "--workdir", str(workdir), *args], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{") and '"step"' in line]
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+    """The toy model built, pre-trained and converted once (by a one-step run of the script)."""
+    workdir = tmp_path_factory.mktemp("toy")
+    _toy(workdir, "--steps", "1")
+    return workdir
+
+
+def test_toy_reward_rises(toy_dir):
+    steps = _toy(toy_dir, "--steps", "20", "--seed", "0")
+    assert [s["step"] for s in steps] == list(range(1, 21))
+    first = sum(s["reward_mean"] for s in steps[:4]) / 4
+    last = sum(s["reward_mean"] for s in steps[-4:]) / 4
+    assert last > first + 0.25, (first, last)
+    for s in steps:
+        assert 0.0 <= s["reward_mean"] <= 1.0
+        assert s["mismatch_kl"] >= 0.0 and s["generation_s"] > 0 and s["training_s"] > 0
+        assert s["rollout_tokens_per_s"] > 0 and s["peak_gpu_memory_bytes"] is None
+
+
+def test_resume_replays_the_next_step(toy_dir, tmp_path):
+    out = tmp_path / "run"
+    full = _toy(toy_dir, "--steps", "3", "--output-dir", str(out), "--save-steps", "1")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert not list(tmp_path.rglob("*.partial-*"))
+    resumed = _toy(toy_dir, "--steps", "3", "--resume", str(out / "checkpoint-2"))
+    assert [s["step"] for s in resumed] == [3]
+    for key in ("reward_mean", "reward_std", "completion_length"):
+        assert resumed[0][key] == full[2][key], key
+    assert resumed[0]["loss"] == pytest.approx(full[2]["loss"], abs=1e-6)
+    assert resumed[0]["grad_norm"] == pytest.approx(full[2]["grad_norm"], rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    src = build_checkpoint(tmp_path_factory.mktemp("grpo") / "llama", "llama", torch.bfloat16, seed=3)
+    add_tokenizer(src, "the quick brown fox jumps over the lazy dog " * 50, vocab_size=300)
+    return src
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8(tiny_llama):
+    from fp8kit import convert
+
+    out = tiny_llama.parent / "llama-fp8"
+    convert(tiny_llama, out, scheme="dynamic")
+    return out
+
+
+def test_load_model_variants(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("FP8KIT_CACHE", str(tmp_path / "cache"))
+    fp8, tok = load_model(str(tiny_llama), load_in_fp8=True, lora_rank=4, device="cpu")
+    assert fp8.fp8_scheme == "dynamic" and fp8.rollout_engine.name == "transformers"
+    assert tok.pad_token_id is not None
+    assert list((tmp_path / "cache").rglob("fp8kit-entry.json"))  # converted once, through the registry cache
+    block, _ = load_model(str(tiny_llama), load_in_fp8="block", lora_rank=4, device="cpu")
+    assert block.fp8_scheme == "block"
+    base, _ = load_model(str(tiny_llama), load_in_fp8=False, lora_rank=4, device="cpu")
+    assert base.fp8_scheme is None
+    trainable = {n for n, p in base.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
+    assert all(m.weight.dtype == torch.bfloat16 for m in lora_modules(base).values())
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in lora_modules(fp8).values())
+    converted = next((tmp_path / "cache").rglob("fp8kit-entry.json")).parent
+    with pytest.raises(Fp8kitError, match="already an FP8 checkpoint"):
+        load_model(str(converted), load_in_fp8=False)
+    with pytest.raises(Fp8kitError, match="load_in_fp8"):
+        load_model(str(tiny_llama), load_in_fp8="tensor")
+
+
+def test_adapters_disabled_is_the_base_model(tiny_fp8):
+    model, _ = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    ids = torch.randint(3, 300, (2, 12))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        for m in lora_modules(model).values():
+            m.lora_B.normal_()
+        with adapters_disabled(model):
+            base = model(input_ids=ids).logits
+        after = model(input_ids=ids).logits
+    assert torch.equal(base, before)  # B starts at zero: the fresh adapter is the base model
+    assert not torch.allclose(after, before)
+
+
+@pytest.mark.parametrize("loss_type,beta,dtype", [("dr_grpo", 0.0, torch.float32), ("dapo", 0.0, torch.bfloat16),
+                                                  ("gspo", 0.04, torch.float16), ("grpo", 0.04, torch.float16)])
+def test_each_loss_trains_a_step(tiny_fp8, loss_type, beta, dtype):
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=dtype, device="cpu")
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    def length_reward(prompts, completions, **_):
+        return [len(c) / 40 for c in completions]
+
+    config = GRPOConfig(steps=2, prompts_per_step=2, num_generations=4, max_completion_length=6,
+                        loss_type=loss_type, beta=beta, learning_rate=1e-2, gradient_accumulation_steps=2)
+    history = train(model, tok, ["the quick", "lazy dog", "brown fox"], [length_reward], config)
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        assert all(v == v for v in h.values() if isinstance(v, float)), h  # no NaN
+        assert (h["kl"] > 0) == (beta > 0 and h["step"] == 2)  # the adapter moves away only after step 1
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed
+
+
+def test_learning_rate_schedules():
+    c = GRPOConfig(steps=10, learning_rate=1.0, warmup_steps=2, lr_scheduler="linear")
+    assert [learning_rate_at(c, s) for s in (1, 2, 6, 10)] == [0.5, 1.0, 0.5, 0.0]
+    c = GRPOConfig(steps=10, learning_rate=1.0, warmup_steps=0, lr_scheduler="cosine")
+    assert learning_rate_at(c, 5) == pytest.approx(0.5) and learning_rate_at(c, 10) == pytest.approx(0.0)
+    assert GRPOConfig(loss_type="dapo").epsilon_high == 0.28
+    assert GRPOConfig(loss_type="dr_grpo").scale_rewards is False
+
+
+def test_bad_input(tiny_fp8, tmp_path):
+    with pytest.raises(Fp8kitError, match="loss_type"):
+        GRPOConfig(loss_type="ppo")
+    with pytest.raises(Fp8kitError, match="num_generations"):
+        GRPOConfig(num_generations=1)
+    with pytest.raises(Fp8kitError, match="save_steps needs output_dir"):
+        GRPOConfig(save_steps=1)
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, device="cpu")
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
+    with pytest.raises(Fp8kitError, match="prompts"):
+        train(model, tok, [], [lambda prompts, completions, **_: [0.0] * len(completions)], config)
+    with pytest.raises(Fp8kitError, match="returned 1 values for 2"):
+        train(model, tok, ["the"], [lambda prompts, completions, **_: [0.0]], config)
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(Fp8kitError, match="not a readable fp8kit GRPO checkpoint"):
+        train(model, tok, ["the"], [lambda prompts, completions, **_: [0.0] * 2], config, resume_from=tmp_path / "ckpt")
+    frozen, tok = load_model(str(tiny_fp8), lora_rank=0, device="cpu")
+    with pytest.raises(Fp8kitError, match="no trainable LoRA"):
+        train(frozen, tok, ["the"], [lambda prompts, completions, **_: [0.0] * 2], config)
