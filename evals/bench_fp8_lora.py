@@ -2,9 +2,12 @@
 
 A stack of Qwen3-8B-shaped decoder layers (hidden 4096, MLP 12288, 32 heads, 8 KV heads, head dim 128),
 LoRA rank 32 on every projection; forward + backward of a batch, tokens/s and peak memory, for BF16 and for
-FP8 with each backend and scheme. Writes evals/results/fp8_lora.json.
+FP8 with each backend and scheme. Backends this machine cannot run (fbgemm-gpu-genai or torchao missing, a
+scheme the library or GPU lacks) get a row with the reason instead of numbers. Writes
+evals/results/fp8_lora.json, rewritten after every variant so that a run cut short keeps what it measured.
 
-    python evals/bench_fp8_lora.py [--layers 4] [--batch 4] [--seq 2048] [--out evals/results/fp8_lora.json]
+    python evals/bench_fp8_lora.py [--layers 4] [--batch 4] [--seq 2048] [--budget-s 300]
+                                   [--out evals/results/fp8_lora.json]
 """
 
 from __future__ import annotations
@@ -94,9 +97,11 @@ def measure(variant: str, args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(args.warmup):
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):  # includes torch's, Triton's and torchao's first-call compilation and autotuning
         step()
     torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t0
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -104,10 +109,42 @@ def measure(variant: str, args) -> dict:
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - t0) / args.steps
     row = {"tokens_per_s": args.batch * args.seq / seconds, "step_ms": seconds * 1e3,
-           "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "weight_gb": weights / 1e9}
+           "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "weight_gb": weights / 1e9,
+           "warmup_s": warmup_s}
     del model, opt, params
     torch.cuda.empty_cache()
     return row
+
+
+DEFAULT_VARIANTS = ("bf16,dynamic/torch,dynamic/triton,block/torch,block/triton,tensor/torch,"
+                    "dynamic/fbgemm,block/fbgemm,tensor/fbgemm,dynamic/torchao,tensor/torchao,block/torchao")
+
+
+def unsupported(variant: str, backends: dict) -> str | None:
+    """Why this machine cannot run the variant (from available_backends), or None."""
+    if variant == "bf16":
+        return None
+    scheme, backend = variant.split("/")
+    if backend not in backends:
+        return f"unknown backend {backend!r}"
+    entry = backends[backend]
+    return None if scheme in entry["schemes"] else entry["unsupported"].get(scheme, "not supported")
+
+
+def summarize(rows: dict, report: dict) -> None:
+    base = rows.get("bf16", {})
+    fp8 = {k: v for k, v in rows.items() if k != "bf16" and "tokens_per_s" in v}
+    if "tokens_per_s" not in base:
+        return
+    for v in fp8.values():
+        v["speedup_vs_bf16"] = v["tokens_per_s"] / base["tokens_per_s"]
+        v["peak_memory_ratio_vs_bf16"] = v["peak_memory_gb"] / base["peak_memory_gb"]
+        v["weight_memory_ratio"] = v["weight_gb"] / base["weight_gb"]
+    if fp8:
+        best = max(fp8, key=lambda k: fp8[k]["tokens_per_s"])
+        report.update(best_backend=best, speedup_vs_bf16=fp8[best]["speedup_vs_bf16"],
+                      weight_memory_ratio=fp8[best]["weight_memory_ratio"],
+                      peak_memory_ratio_vs_bf16=fp8[best]["peak_memory_ratio_vs_bf16"])
 
 
 def main():
@@ -118,42 +155,59 @@ def main():
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--variants", default="bf16,dynamic/torch,dynamic/triton,block/torch,block/triton,tensor/torch")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new variant after this many seconds (those left get a 'skipped' row)")
     ap.add_argument("--out", default=str(ROOT / "evals/results/fp8_lora.json"))
     args = ap.parse_args()
     import transformers
     import triton
 
+    from fp8kit.rl import kernel_backends
+    from fp8kit.rl.fp8_linear import available_backends, pick_backend
+
+    start = time.perf_counter()
+    backends = available_backends("cuda")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows = {}
-    for variant in args.variants.split(","):
-        try:
-            rows[variant] = measure(variant, args)
-        except Exception as e:  # noqa: BLE001 - a backend that fails is reported, not fatal
-            rows[variant] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            torch.cuda.empty_cache()
-        print(variant, rows[variant], flush=True)
-    base = rows["bf16"]
-    fp8 = {k: v for k, v in rows.items() if k != "bf16" and "tokens_per_s" in v}
-    best = max(fp8, key=lambda k: fp8[k]["tokens_per_s"])
-    for v in fp8.values():
-        v["speedup_vs_bf16"] = v["tokens_per_s"] / base["tokens_per_s"]
-        v["peak_memory_ratio_vs_bf16"] = v["peak_memory_gb"] / base["peak_memory_gb"]
-        v["weight_memory_ratio"] = v["weight_gb"] / base["weight_gb"]
     report = {
         "gpu": torch.cuda.get_device_name(0),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "triton": triton.__version__,
+                     "torchao": kernel_backends.version("torchao"),
+                     "fbgemm_gpu_genai": kernel_backends.version("fbgemm"),
                      "python": platform.python_version()},
         "command": "python evals/bench_fp8_lora.py " + " ".join(sys.argv[1:]),
         "config": {**QWEN3_8B, "layers": args.layers, "batch": args.batch, "seq": args.seq, "lora_rank": args.rank,
                    "lora_targets": list(PROJECTIONS), "optimizer": "AdamW on LoRA", "steps": args.steps},
-        "best_backend": best,
-        "speedup_vs_bf16": fp8[best]["speedup_vs_bf16"],
-        "weight_memory_ratio": fp8[best]["weight_memory_ratio"],
-        "peak_memory_ratio_vs_bf16": fp8[best]["peak_memory_ratio_vs_bf16"],
+        "best_backend": None, "speedup_vs_bf16": None, "weight_memory_ratio": None, "peak_memory_ratio_vs_bf16": None,
+        "default_backend": pick_backend(torch.device("cuda")),
+        "backends": backends,
         "results": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+    def write():
+        summarize(rows, report)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
+    for variant in args.variants.split(","):
+        why = unsupported(variant, backends)
+        if why is None and args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+            why = f"time budget: --budget-s {args.budget_s:g} spent before this variant started"
+        if why is not None:
+            rows[variant] = {"skipped": why}
+        else:
+            rows[variant] = {"error": "unfinished: the run stopped while this variant was measured"}
+            write()
+            try:
+                rows[variant] = measure(variant, args)
+            except Exception as e:  # noqa: BLE001 - a backend that fails is reported, not fatal
+                rows[variant] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                torch.cuda.empty_cache()
+        write()
+        print(variant, rows[variant], flush=True)
+    report["bench_s"] = time.perf_counter() - start
+    write()
     print(json.dumps({k: report[k] for k in ("best_backend", "speedup_vs_bf16", "weight_memory_ratio",
                                              "peak_memory_ratio_vs_bf16")}))
 

@@ -112,6 +112,13 @@ class TokenPrompts:
         return [""] * len(ids)
 
 
+def engine_memory(variant: str) -> dict:
+    """The same KV-cache token capacity for every variant: an FP8 KV cache needs half the bytes."""
+    if variant == "fp8-kv8":
+        return {"kv_cache_memory_bytes": KV_CACHE_BYTES // 2, "kv_cache_dtype": "fp8"}
+    return {"kv_cache_memory_bytes": KV_CACHE_BYTES}
+
+
 def run_variant(args) -> dict:
     import torch
 
@@ -125,7 +132,7 @@ def run_variant(args) -> dict:
     model, tokenizer = load_model(checkpoint, load_in_fp8=args.variant != "bf16", dtype=torch.bfloat16,
                                   max_seq_length=WORKLOAD["prompt_tokens"] + WORKLOAD["max_completion_length"] + 8,
                                   lora_rank=LORA_RANK, gpu_memory_utilization=0.5,
-                                  vllm_kwargs={"kv_cache_memory_bytes": KV_CACHE_BYTES})
+                                  vllm_kwargs=engine_memory(args.variant))
     load_s = time.perf_counter() - t0
     engine = model.rollout_engine
     assert engine.name == "vllm", engine.name
@@ -141,8 +148,8 @@ def run_variant(args) -> dict:
     table = {f"p{i}": ids for i, ids in enumerate(prompts_for(vocab, 256, WORKLOAD["prompt_tokens"]))}
     config = GRPOConfig(steps=args.steps, prompts_per_step=WORKLOAD["prompts_per_step"],
                         num_generations=WORKLOAD["num_generations"],
-                        max_completion_length=WORKLOAD["max_completion_length"], learning_rate=2e-4,
-                        gradient_accumulation_steps=4, seed=0)
+                        max_completion_length=WORKLOAD["max_completion_length"], learning_rate=1e-3,
+                        gradient_accumulation_steps=16, seed=0)
     history = []
     with PeakMemory() as peak:
         train(model, TokenPrompts(tokenizer, table), list(table), [low_token_reward(vocab)], config,
@@ -179,7 +186,7 @@ def run_standalone(args) -> dict:
     vocab = AutoConfig.from_pretrained(args.checkpoint).vocab_size
     llm = LLM(args.checkpoint, dtype="bfloat16", enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1,
               max_model_len=WORKLOAD["prompt_tokens"] + WORKLOAD["max_completion_length"] + 8,
-              gpu_memory_utilization=0.5, kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0)
+              gpu_memory_utilization=0.5, seed=0, **engine_memory(args.variant))
     lora = LoRARequest("adapter", 1, args.adapter)
     prompts = prompts_for(vocab, 256, WORKLOAD["prompt_tokens"])
     rates = []
@@ -211,12 +218,13 @@ def subprocess_json(argv: list[str], env: dict) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="fp8,bf16")
+    ap.add_argument("--variants", default="fp8,fp8-kv8,bf16")
     ap.add_argument("--shape", default="tinyllama-1.1b", choices=list(SHAPES))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--workdir", default="/tmp/grpo-gpu")
     ap.add_argument("--out", default=str(ROOT / "evals/results/grpo_gpu.json"))
     ap.add_argument("--skip-standalone", action="store_true")
+    ap.add_argument("--standalone-only", action="store_true", help="add the standalone engine to earlier runs")
     ap.add_argument("--variant")  # internal: one runtime run
     ap.add_argument("--checkpoint")
     ap.add_argument("--standalone", action="store_true")  # internal
@@ -246,12 +254,15 @@ def main():
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     for variant in args.variants.split(","):
         checkpoint = src
-        if variant == "fp8":
+        if variant.startswith("fp8"):
             checkpoint = workdir / f"{args.shape}-fp8-dynamic"
             if not (checkpoint / "config.json").exists():
                 convert(src, checkpoint, scheme="dynamic", device="cuda")
-        run = subprocess_json(["--variant", variant, "--checkpoint", str(checkpoint), "--steps", str(args.steps),
-                               "--workdir", str(workdir)], env)
+        if args.standalone_only:
+            run = runs[f"{args.shape}/{variant}"]
+        else:
+            run = subprocess_json(["--variant", variant, "--checkpoint", str(checkpoint), "--steps", str(args.steps),
+                                   "--workdir", str(workdir)], env)
         if "adapter" in run and not args.skip_standalone:
             run["standalone"] = subprocess_json(["--variant", variant, "--standalone", "--checkpoint", str(checkpoint),
                                                  "--adapter", run["adapter"], "--steps", str(args.steps),
@@ -262,6 +273,9 @@ def main():
         print(variant, json.dumps({k: v for k, v in run.items() if k != "steps"})[:3000], flush=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
     fp8, bf16 = runs.get(f"{args.shape}/fp8", {}), runs.get(f"{args.shape}/bf16", {})
+    kv8 = runs.get(f"{args.shape}/fp8-kv8", {})
+    if "peak_device_memory_bytes" in kv8 and "peak_device_memory_bytes" in bf16:
+        report["peak_memory_ratio_fp8_kv8_vs_bf16"] = kv8["peak_device_memory_bytes"] / bf16["peak_device_memory_bytes"]
     if "peak_device_memory_bytes" in fp8 and "peak_device_memory_bytes" in bf16:
         report["peak_memory_ratio_fp8_vs_bf16"] = fp8["peak_device_memory_bytes"] / bf16["peak_device_memory_bytes"]
         report["peak_torch_allocated_ratio_fp8_vs_bf16"] = (fp8["peak_torch_allocated_bytes"]

@@ -37,6 +37,7 @@ WORKLOADS = {"short": (256, 128, 256), "long": (64, 2048, 512)}  # prompts, inpu
 # DeepGEMM / FlashInfer block GEMMs JIT-compile for minutes on a cold start (../shared/gpu/README.md):
 # block variants run on the CUTLASS block kernel.
 ENGINE_ENV = {"VLLM_USE_DEEP_GEMM": "0", "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"}
+TIMEOUT = 560
 
 
 def engine(path: str, workload: str, quantization: str | None) -> dict:
@@ -47,8 +48,10 @@ def engine(path: str, workload: str, quantization: str | None) -> dict:
 
     n, n_in, n_out = WORKLOADS[workload]
     t0 = time.perf_counter()
+    custom_ops = os.environ.get("FP8KIT_BENCH_CUSTOM_OPS")
+    extra = {"compilation_config": {"custom_ops": custom_ops.split(",")}} if custom_ops else {}
     llm = LLM(path, quantization=quantization, max_model_len=n_in + n_out + 16, gpu_memory_utilization=0.85,
-              skip_tokenizer_init=True, seed=0, max_num_seqs=256)
+              skip_tokenizer_init=True, seed=0, max_num_seqs=256, **extra)
     start_s = time.perf_counter() - t0
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(n_in)]} for _ in range(n)]
@@ -62,16 +65,18 @@ def engine(path: str, workload: str, quantization: str | None) -> dict:
     return {"tok_s": tokens / seconds, "seconds": seconds, "output_tokens": tokens, "engine_start_s": start_s}
 
 
-def run_engine(path: Path, workload: str, quantization: str | None) -> dict:
-    env = {**os.environ, **ENGINE_ENV}
+def run_engine(path: Path, workload: str, quantization: str | None, engine_env: dict) -> dict:
+    env = {**os.environ, **engine_env}
     cmd = [sys.executable, __file__, "--engine", str(path), "--workload", workload]
     if quantization:
         cmd += ["--quantization", quantization]
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=560)
-    except subprocess.TimeoutExpired:
-        return {"error": "engine did not finish within 560 s"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-2000:]
+        return {"error": f"engine did not finish within {TIMEOUT} s", "engine_env": engine_env,
+                "tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
         return {"error": [l for l in log.splitlines() if "Error" in l][-3:], "wall_s": time.perf_counter() - t0}
@@ -81,6 +86,40 @@ def run_engine(path: Path, workload: str, quantization: str | None) -> dict:
     result["kernels"] = sorted(set(re.findall(r"Selected (\w+) for (\w+)", log)))
     result["wall_s"] = time.perf_counter() - t0
     return result
+
+
+def with_static_scales(tensor_dir: Path, out: Path) -> Path:
+    """The per-tensor checkpoint plus a static input_scale per quantized Linear (a fixed 0.05, not calibrated):
+    isolates the speed of vLLM's static activation path from llm-compressor's calibration. Speed only."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(tensor_dir, tmp, copy_function=os.link)
+    index_path = tmp / "model.safetensors.index.json"
+    names = []
+    for f in sorted(tmp.glob("*.safetensors")):
+        with safe_open(f, "pt") as sf:
+            names += [k[: -len("weight_scale")] + "input_scale" for k in sf.keys() if k.endswith(".weight_scale")]
+    save_file({n: torch.tensor([0.05], dtype=torch.float32) for n in names}, tmp / "static-input-scales.safetensors")
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        index["weight_map"].update({n: "static-input-scales.safetensors" for n in names})
+        index_path.unlink()  # a hard link to the tensor checkpoint's index: replace, never edit in place
+        index_path.write_text(json.dumps(index, indent=2))
+    config = json.loads((tmp / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        group["input_activations"].update(dynamic=False, strategy="tensor", observer="minmax")
+    (tmp / "config.json").unlink()
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(out)
+    return out
 
 
 def build(workdir: Path, model: str) -> Path:
@@ -114,7 +153,13 @@ def main():
     ap.add_argument("--variants", default="bf16,dynamic,block,tensor,tensor-static,vllm-online-fp8")
     ap.add_argument("--workdir", default="/tmp/serve-bench")
     ap.add_argument("--out", default=str(ROOT / "evals/results/serve.json"))
+    ap.add_argument("--deep-gemm", action="store_true",
+                    help="leave vLLM's default block kernels (DeepGEMM/FlashInfer, JIT-compiled on first start) on")
+    ap.add_argument("--timeout", type=int, default=560, help="seconds one engine may take")
+    ap.add_argument("--custom-ops", help="vLLM compilation custom_ops, e.g. +quant_fp8")
     args = ap.parse_args()
+    global TIMEOUT
+    TIMEOUT = args.timeout
     if args.engine:
         print("@@RESULT@@" + json.dumps(engine(args.engine, args.workload, args.quantization)) + "@@RESULT@@")
         return
@@ -130,9 +175,12 @@ def main():
     out = Path(args.out)
     report = json.loads(out.read_text()) if out.exists() else {}
     report.update({"gpu": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
-                   "python": platform.python_version(), "model": {"name": args.model, **MODELS[args.model][2]},
+                   "python": platform.python_version(),
                    "workloads": {k: dict(zip(("prompts", "input_tokens", "output_tokens"), v)) for k, v in WORKLOADS.items()},
                    "engine_env": ENGINE_ENV})
+    report.setdefault("models", {})[args.model] = MODELS[args.model][2]
+    if args.model == "qwen3-8b" or "model" not in report:
+        report["model"] = {"name": args.model, **MODELS[args.model][2]}
     report.setdefault("commands", []).append("python evals/serve_bench.py " + " ".join(sys.argv[1:]))
     results = report.setdefault("runs", {})
     for variant in args.variants.split(","):
@@ -140,6 +188,11 @@ def main():
             path, quantization = src, None
         elif variant == "vllm-online-fp8":
             path, quantization = src, "fp8"
+        elif variant == "tensor-static-synthetic":
+            tensor_dir = workdir / f"{args.model}-tensor"
+            if not (tensor_dir / "config.json").exists():
+                convert(src, tensor_dir, scheme="tensor", device="cuda")
+            path, quantization = with_static_scales(tensor_dir, workdir / f"{args.model}-{variant}"), None
         else:
             path, quantization = workdir / f"{args.model}-{variant}", None
             if not (path / "config.json").exists():
@@ -147,13 +200,20 @@ def main():
                 convert(src, path, scheme=variant, device="cuda")
                 results.setdefault(f"{args.model}/convert", {})[variant] = {"seconds": time.perf_counter() - t0}
         for workload in args.workloads.split(","):
-            key = f"{args.model}/{workload}/{variant}"
-            results[key] = run_engine(path, workload, quantization)
+            key = (f"{args.model}/{workload}/{variant}" + ("+deepgemm" if args.deep_gemm else "")
+                   + (f"+custom_ops={args.custom_ops}" if args.custom_ops else ""))
+            engine_env = {} if args.deep_gemm else dict(ENGINE_ENV)
+            if args.custom_ops:
+                engine_env["FP8KIT_BENCH_CUSTOM_OPS"] = args.custom_ops
+            results[key] = run_engine(path, workload, quantization, engine_env)
             print(key, results[key], flush=True)
             out.write_text(json.dumps(report, indent=2) + "\n")
     short = {k.rsplit("/", 1)[1]: v for k, v in results.items() if k.startswith(f"{args.model}/short/") and "tok_s" in v}
     if "bf16" in short:
-        report["results"] = {k: {"tok_s": v["tok_s"], "vs_bf16": v["tok_s"] / short["bf16"]["tok_s"]} for k, v in short.items()}
+        summary = {k: {"tok_s": v["tok_s"], "vs_bf16": v["tok_s"] / short["bf16"]["tok_s"]} for k, v in short.items()}
+        report.setdefault("results_by_model", {})[args.model] = summary
+        if args.model == report["model"]["name"]:
+            report["results"] = summary
     out.write_text(json.dumps(report, indent=2) + "\n")
 
 

@@ -31,9 +31,7 @@ def test_triton_quantizer_writes_torch_bytes(scheme):
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
 
 
-@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_cuda_backends_match_reference(scheme, backend):
+def _matches_reference(scheme, backend):
     x = (torch.randn(4, 256, 2048, device="cuda") * 2).to(torch.bfloat16)
     ref_layer, gpu_layer = layer(scheme, "reference"), layer(scheme, backend)
     xr, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -45,6 +43,48 @@ def test_cuda_backends_match_reference(scheme, backend):
     (yg * up).sum().backward()
     for a, b in [(xg.grad, xr.grad), (gpu_layer.lora_A.grad, ref_layer.lora_A.grad)]:
         assert ((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_backends_match_reference(scheme, backend):
+    _matches_reference(scheme, backend)
+
+
+LIBRARIES = {"fbgemm": "fbgemm_gpu", "torchao": "torchao"}
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+@pytest.mark.parametrize("backend", ["fbgemm", "torchao"])
+def test_library_backends_match_reference(scheme, backend):
+    pytest.importorskip(LIBRARIES[backend])
+    from fp8kit.rl import kernel_backends
+
+    why = kernel_backends.unsupported(backend, scheme, torch.device("cuda"), torch.bfloat16)
+    if why:
+        pytest.skip(why)
+    _matches_reference(scheme, backend)
+
+
+@pytest.mark.parametrize("backend", ["fbgemm", "torchao"])
+def test_library_backends_are_reported(backend):
+    pytest.importorskip(LIBRARIES[backend])
+    from fp8kit.errors import Fp8kitError
+    from fp8kit.rl.fp8_linear import available_backends
+
+    report = available_backends("cuda")[backend]
+    assert report["version"], report
+    capability = torch.cuda.get_device_capability()
+    if backend == "fbgemm" and capability[0] == 9:  # the probe GEMMs ran and matched the reference
+        assert report["schemes"] == ["dynamic", "block", "tensor"], report
+    if backend == "torchao" and capability >= (8, 9):
+        assert report["schemes"] == ["dynamic", "block", "tensor"], report
+    scheme = "dynamic" if backend == "fbgemm" else "block"  # bfloat16-only kernels refuse a float16 layer
+    if scheme in report["schemes"]:
+        w_q, w_s = quantize_weight(torch.randn(256, 256) * 0.02, SCHEMES[scheme], torch.float32)
+        m = FP8LoRALinear(w_q, w_s, scheme, rank=4, dtype=torch.float16, backend=backend).cuda()
+        with pytest.raises(Fp8kitError, match="writes bfloat16 only"):
+            m(torch.randn(2, 256, device="cuda", dtype=torch.float16))
 
 
 def test_loaded_model_on_cuda(tmp_path, llama_dir):

@@ -178,3 +178,97 @@ def test_adapter_missing_modules_is_refused(fp8_dirs, tmp_path):
     everywhere = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4)
     with pytest.raises(Fp8kitError, match="no weights for"):
         load_adapter(everywhere, tmp_path / "q-only")
+
+
+def _small_layer(scheme="dynamic", backend=None):
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+
+    w_q, w_s = quantize_weight(torch.randn(256, 256, generator=torch.Generator().manual_seed(5)) * 0.05,
+                               SCHEMES[scheme], torch.float32)
+    return FP8LoRALinear(w_q, w_s, scheme, rank=4, dtype=torch.float32, backend=backend)
+
+
+def test_backend_argument_and_environment_override(monkeypatch):
+    from fp8kit.rl.fp8_linear import pick_backend
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("FP8KIT_BACKEND", raising=False)
+    assert pick_backend(cpu) == "reference"
+    monkeypatch.setenv("FP8KIT_BACKEND", "torch")
+    assert pick_backend(cpu) == "torch"
+    assert pick_backend(cpu, "triton") == "triton"  # the argument wins over the environment
+    monkeypatch.setenv("FP8KIT_BACKEND", "reference")
+    x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(6))
+    layer = _small_layer()
+    assert torch.equal(layer(x), _small_layer(backend="reference")(x))
+
+
+def test_unknown_backend_is_refused(monkeypatch):
+    from fp8kit.errors import Fp8kitError
+    from fp8kit.rl.fp8_linear import pick_backend
+
+    with pytest.raises(Fp8kitError, match="expected one of reference, torch, triton, fbgemm, torchao"):
+        pick_backend(torch.device("cpu"), "cutlass")
+    with pytest.raises(Fp8kitError, match="'cutlass'"):
+        _small_layer(backend="cutlass")
+    monkeypatch.setenv("FP8KIT_BACKEND", "deepgemm")
+    with pytest.raises(Fp8kitError, match="'deepgemm'"):
+        _small_layer()(torch.randn(2, 256))
+
+
+@pytest.mark.parametrize("backend, package, module", [("fbgemm", "fbgemm-gpu-genai", "fbgemm_gpu"),
+                                                      ("torchao", "torchao", "torchao")])
+def test_missing_kernel_package_is_named(monkeypatch, backend, package, module):
+    import sys
+
+    from fp8kit.errors import Fp8kitError
+    from fp8kit.rl.fp8_linear import available_backends, pick_backend
+
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
+    with pytest.raises(Fp8kitError, match=f"needs the {package} package.*pip install {package}"):
+        pick_backend(torch.device("cpu"), backend)
+    with pytest.raises(Fp8kitError, match=f"pip install {package}"):
+        _small_layer(backend=backend)
+    monkeypatch.setenv("FP8KIT_BACKEND", backend)
+    with pytest.raises(Fp8kitError, match=f"pip install {package}"):
+        _small_layer()(torch.randn(2, 256))
+    report = available_backends("cpu")[backend]
+    assert report["package"] == package and report["schemes"] == []
+    assert all(package in why for why in report["unsupported"].values())
+
+
+def test_available_backends_on_cpu():
+    from fp8kit.rl.fp8_linear import available_backends
+
+    report = available_backends("cpu")
+    assert set(report) == {"reference", "torch", "triton", "fbgemm", "torchao"}
+    assert report["reference"]["schemes"] == ["dynamic", "block", "tensor"]
+    assert report["torch"]["schemes"] == [] and "CUDA" in report["torch"]["unsupported"]["block"]
+
+
+def test_library_backend_support_matrix(monkeypatch):
+    """Which (backend, scheme) pairs run where, without the libraries: only the GPU's capability is faked."""
+    from fp8kit.rl import kernel_backends
+
+    gpu = torch.device("cuda", 0)
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    torchao = {("torchao", s, d) for s in ("dynamic", "tensor") for d in (bf16, f16, f32)}
+    torchao.add(("torchao", "block", bf16))
+    expect = {  # capability -> (backend, scheme, dtype) triples that run
+        (9, 0): {("fbgemm", s, bf16) for s in ("dynamic", "block", "tensor")} | torchao,
+        (10, 0): {("fbgemm", "dynamic", bf16), ("fbgemm", "tensor", bf16)} | torchao,
+        (8, 9): torchao,
+        (8, 0): set(),
+    }
+    for capability, runs in expect.items():
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        for backend in ("fbgemm", "torchao"):
+            for scheme in ("dynamic", "block", "tensor"):
+                for dtype in (bf16, f16, f32):
+                    why = kernel_backends.unsupported(backend, scheme, gpu, dtype)
+                    runs_here = (backend, scheme, dtype) in runs
+                    assert (why is None) == runs_here, (capability, backend, scheme, dtype, why)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert "writes bfloat16 only" in kernel_backends.unsupported("fbgemm", "dynamic", gpu, f16)
+    assert "SM90" in kernel_backends.unsupported("fbgemm", "block", gpu, bf16)
+    assert "CUDA" in kernel_backends.unsupported("torchao", "block", torch.device("cpu"), bf16)

@@ -17,14 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8kit.rl import kernel_backends
+from fp8kit.rl.kernel_backends import available_backends  # noqa: F401 - re-exported
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for dynamic activation scales (fp8_utils)
 # reference: dequantize and multiply (any device, the CPU path); torch: torch's scaled_mm GEMMs with the
 # activation quantized by torch ops; triton: the same GEMMs with the activation quantized by one fused
-# Triton kernel (per-tensor activations fall back to torch ops).
-BACKENDS = ("reference", "torch", "triton")
+# Triton kernel (per-tensor activations fall back to torch ops); fbgemm, torchao: those libraries' GEMMs
+# (kernel_backends.py lists the pairs they support) after the same fused quantizer when Triton is there.
+LIBRARY_BACKENDS = kernel_backends.LIBRARY_BACKENDS
+BACKENDS = ("reference", "torch", "triton", *LIBRARY_BACKENDS)
 
 
 def quantize_activation(x: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,6 +69,8 @@ def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, ws: tor
     if backend == "reference":
         return (_dequantize_activation(xq, xs, scheme) @ dequantize_weight(weight, ws, scheme, torch.float32).t()
                 ).to(out_dtype)
+    if backend in LIBRARY_BACKENDS:
+        return kernel_backends.matmul(backend, xq, xs, weight, ws, scheme, out_dtype)
     if scheme == "block":
         # cuBLAS block scaling wants outer-dim-major scales: activation scales [M, K/128] with strides (1, M),
         # weight scales as [K/128, N/128] with strides (1, K/128), i.e. ws.t() (checked on an H200).
@@ -75,13 +82,18 @@ def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, ws: tor
 
 
 def pick_backend(device: torch.device, requested: str | None = None) -> str:
-    """FP8KIT_BACKEND or the argument wins; otherwise torch's scaled_mm on SM89+ GPUs, the reference elsewhere."""
+    """FP8KIT_BACKEND or the argument wins; otherwise torch's scaled_mm on SM89+ GPUs, the reference elsewhere.
+
+    fbgemm and torchao are used only when asked for (argument or FP8KIT_BACKEND); asking for one whose package
+    does not import raises Fp8kitError naming the package. available_backends() says what this machine runs."""
     requested = requested or os.environ.get("FP8KIT_BACKEND")
     if requested:
         if requested not in BACKENDS:
             from fp8kit.errors import Fp8kitError
 
             raise Fp8kitError(f"backend {requested!r}: expected one of {', '.join(BACKENDS)}")
+        if requested in LIBRARY_BACKENDS:
+            kernel_backends.require(requested)
         return requested
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
         try:
@@ -93,17 +105,27 @@ def pick_backend(device: torch.device, requested: str | None = None) -> str:
     return "reference"
 
 
+def _quantize_input(x2: torch.Tensor, scheme: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_activation's bytes: the fused Triton kernel for triton (required) and fbgemm/torchao (if any)."""
+    if scheme != "tensor" and backend in ("triton", *LIBRARY_BACKENDS):
+        try:
+            from fp8kit.rl.triton_quant import quantize_activation_triton
+        except ImportError:
+            if backend == "triton":
+                raise
+        else:
+            return quantize_activation_triton(x2.contiguous(), scheme)
+    return quantize_activation(x2, scheme)
+
+
 class _FP8MatMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, weight_scale, scheme, backend):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if backend == "triton" and scheme != "tensor":
-            from fp8kit.rl.triton_quant import quantize_activation_triton
-
-            xq, xs = quantize_activation_triton(x2.contiguous(), scheme)
-        else:
-            xq, xs = quantize_activation(x2, scheme)
+        if backend in LIBRARY_BACKENDS:
+            kernel_backends.check(backend, scheme, x.device, x.dtype)
+        xq, xs = _quantize_input(x2, scheme, backend)
         y = fp8_matmul(xq, xs, weight, weight_scale, scheme, x.dtype, backend)
         ctx.save_for_backward(weight, weight_scale)
         ctx.scheme = scheme
@@ -137,6 +159,8 @@ class FP8LoRALinear(nn.Module):
         self.rank = rank
         self.scaling = (alpha if alpha is not None else rank) / rank if rank else 0.0
         self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        if backend is not None:
+            pick_backend(weight.device, backend)  # an unknown name or a missing package fails here, not later
         self.backend = backend
         if rank:
             self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, dtype=dtype, device=weight.device))

@@ -52,6 +52,7 @@ class GRPOConfig:
     adam_betas: tuple[float, float] = (0.9, 0.99)
     max_grad_norm: float = 1.0
     gradient_accumulation_steps: int = 1  # micro-batches per step
+    gradient_checkpointing: bool = True  # recompute each decoder layer in backward: activations dominate memory
     seed: int = 0
     output_dir: str | None = None
     save_steps: int = 0  # write output_dir/checkpoint-<step> every so many steps (0: never)
@@ -215,6 +216,8 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
                 or resume_from
         start = load_checkpoint(resume_from, model, optimizer, masters)
         rollout.sync_lora(model)
+    if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device = params[0].device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     n = config.num_generations
