@@ -123,7 +123,7 @@ def run_variant(args) -> dict:
     import torch
 
     from fp8kit.rl.grpo import GRPOConfig, train
-    from fp8kit.rl.loader import lora_modules, write_adapter
+    from fp8kit.rl.loader import checkpoint_mismatches, lora_modules, write_adapter
     from fp8kit.rl.model import load_model
     from fp8kit.rl.vllm_engine import storage_pointers
 
@@ -143,6 +143,7 @@ def run_variant(args) -> dict:
     base = [t for n, t in list(model.named_parameters()) + list(model.named_buffers())
             if id(t) not in lora_ids and "rotary" not in n]
     not_shared = [t for t in base if t.untyped_storage().data_ptr() not in vllm_ptrs]
+    differing = checkpoint_mismatches(model, checkpoint)  # the views hold the checkpoint's values, split right
     lora_bytes = sum(p.numel() * p.element_size() for m in lora_modules(model).values() for p in (m.lora_A, m.lora_B))
     vocab = model.config.vocab_size
     table = {f"p{i}": ids for i, ids in enumerate(prompts_for(vocab, 256, WORKLOAD["prompt_tokens"]))}
@@ -165,6 +166,7 @@ def run_variant(args) -> dict:
         "checkpoint": str(checkpoint), "scheme": model.fp8_scheme, "load_s": load_s,
         "weights": {"vllm_weight_bytes": vllm_bytes, "trainer_base_tensors": len(base),
                     "trainer_base_tensors_not_vllm_storage": len(not_shared),
+                    "trainer_tensors_differing_from_checkpoint": differing,
                     "trainer_lora_bytes": lora_bytes,
                     "trainer_allocated_bytes": engine.trainer_allocated_bytes},
         "peak_device_memory_bytes": peak.peak,

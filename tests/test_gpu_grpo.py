@@ -25,6 +25,7 @@ def test_vllm_shares_the_trainers_weights(tmp_path, variant):
     weights = run["weights"]
     assert weights["trainer_base_tensors"] > 0
     assert weights["trainer_base_tensors_not_vllm_storage"] == 0  # every base tensor is a view of vLLM's storage
+    assert weights["trainer_tensors_differing_from_checkpoint"] == []  # and holds the checkpoint's values
     # building the trainer allocated the LoRA parameters, not a second copy of the weights
     assert weights["trainer_allocated_bytes"] < 2 * weights["trainer_lora_bytes"] + (8 << 20)
     assert len(run["reward_curve"]) == 3

@@ -2,6 +2,7 @@
 variants, the reference policy, float16, and bad input."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -53,12 +54,17 @@ def test_resume_replays_the_next_step(toy_dir, tmp_path):
     full = _toy(toy_dir, "--steps", "3", "--output-dir", str(out), "--save-steps", "1")
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     assert not list(tmp_path.rglob("*.partial-*"))
-    resumed = _toy(toy_dir, "--steps", "3", "--resume", str(out / "checkpoint-2"))
+    again = tmp_path / "again"
+    resumed = _toy(toy_dir, "--steps", "3", "--resume", str(out / "checkpoint-2"), "--output-dir", str(again),
+                   "--save-steps", "1")
     assert [s["step"] for s in resumed] == [3]
     for key in ("reward_mean", "reward_std", "completion_length"):
         assert resumed[0][key] == full[2][key], key
     assert resumed[0]["loss"] == pytest.approx(full[2]["loss"], abs=1e-6)
     assert resumed[0]["grad_norm"] == pytest.approx(full[2]["grad_norm"], rel=1e-4)
+    # the update after the resumed step used the restored AdamW state: same adapter, master weights and moments
+    for name in ("adapter_model.safetensors", "optimizer.safetensors"):
+        assert (again / "checkpoint-3" / name).read_bytes() == (out / "checkpoint-3" / name).read_bytes(), name
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +104,23 @@ def test_load_model_variants(tiny_llama, tmp_path, monkeypatch):
         load_model(str(tiny_llama), load_in_fp8="tensor")
 
 
+def test_checkpoint_mismatches_finds_a_wrong_view(tiny_fp8, tiny_llama):
+    from fp8kit.rl.loader import checkpoint_mismatches
+
+    model, _ = load_model(str(tiny_fp8), lora_rank=4, device="cpu")
+    assert checkpoint_mismatches(model, tiny_fp8) == []
+    base, _ = load_model(str(tiny_llama), load_in_fp8=False, lora_rank=4, device="cpu")
+    assert checkpoint_mismatches(base, tiny_llama) == []
+    layer = model.model.layers[0]
+    with torch.no_grad():  # what a swapped gate/up split would look like
+        gate, up = layer.mlp.gate_proj.weight.clone(), layer.mlp.up_proj.weight.clone()
+        layer.mlp.gate_proj.weight.copy_(up)
+        layer.mlp.up_proj.weight.copy_(gate)
+        model.model.norm.weight.add_(1)
+    assert sorted(checkpoint_mismatches(model, tiny_fp8)) == ["model.layers.0.mlp.gate_proj.weight",
+                                                              "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+
+
 def test_adapters_disabled_is_the_base_model(tiny_fp8):
     model, _ = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
     ids = torch.randint(3, 300, (2, 12))
@@ -132,11 +155,33 @@ def test_each_loss_trains_a_step(tiny_fp8, loss_type, beta, dtype):
     assert changed
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_gradient_accumulation_matches_one_batch(tiny_fp8, loss_type):
+    """Uneven micro-batches (8 rows in 3) weigh rows and tokens as the whole batch does."""
+    norms = []
+    for accumulation in (1, 3):
+        torch.manual_seed(0)  # the same lora_A initialisation in both runs
+        model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+        with torch.no_grad():
+            for i, m in enumerate(lora_modules(model).values()):
+                m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=torch.Generator().manual_seed(i)) * 0.05)
+
+        def length_reward(prompts, completions, **_):
+            return [len(c) / 40 for c in completions]
+
+        config = GRPOConfig(steps=1, prompts_per_step=2, num_generations=4, max_completion_length=6, seed=5,
+                            loss_type=loss_type, gradient_accumulation_steps=accumulation, gradient_checkpointing=False)
+        norms.append(train(model, tok, ["the quick", "lazy dog"], [length_reward], config)[0]["grad_norm"])
+    assert norms[0] > 0 and norms[1] == pytest.approx(norms[0], rel=1e-4), norms
+
+
 def test_learning_rate_schedules():
     c = GRPOConfig(steps=10, learning_rate=1.0, warmup_steps=2, lr_scheduler="linear")
-    assert [learning_rate_at(c, s) for s in (1, 2, 6, 10)] == [0.5, 1.0, 0.5, 0.0]
+    assert [learning_rate_at(c, s) for s in (1, 2, 3, 6, 10)] == pytest.approx([0.5, 1.0, 1.0, 0.625, 0.125])
     c = GRPOConfig(steps=10, learning_rate=1.0, warmup_steps=0, lr_scheduler="cosine")
-    assert learning_rate_at(c, 5) == pytest.approx(0.5) and learning_rate_at(c, 10) == pytest.approx(0.0)
+    assert learning_rate_at(c, 1) == 1.0
+    assert learning_rate_at(c, 6) == pytest.approx(0.5)  # halfway: 0.5 * (1 + cos(pi / 2))
+    assert learning_rate_at(c, 10) == pytest.approx(0.5 * (1 + math.cos(0.9 * math.pi)))  # the last step still learns
     assert GRPOConfig(loss_type="dapo").epsilon_high == 0.28
     assert GRPOConfig(loss_type="dr_grpo").scale_rewards is False
 

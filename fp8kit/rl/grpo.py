@@ -65,6 +65,8 @@ class GRPOConfig:
             raise Fp8kitError(f"lr_scheduler {self.lr_scheduler!r}: expected one of {', '.join(SCHEDULES)}")
         if self.num_generations < 2:
             raise Fp8kitError("num_generations must be at least 2: advantages are relative to the group")
+        if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
+            raise Fp8kitError("reward_weights: expected a list of numbers, one per reward function")
         if self.save_steps and not self.output_dir:
             raise Fp8kitError("save_steps needs output_dir")
         if self.epsilon_high is None:
@@ -75,12 +77,13 @@ class GRPOConfig:
 
 
 def learning_rate_at(config: GRPOConfig, step: int) -> float:
-    """Linear warmup, then constant, linear or cosine decay to zero at config.steps (step is 1-based)."""
+    """Linear warmup, then constant, or linear/cosine decay toward zero after the last step (step is 1-based;
+    the last step still learns, as in transformers' schedules)."""
     if step <= config.warmup_steps:
         return config.learning_rate * step / max(1, config.warmup_steps)
     if config.lr_scheduler == "constant":
         return config.learning_rate
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    progress = (step - 1 - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
     if config.lr_scheduler == "linear":
         return config.learning_rate * max(0.0, 1.0 - progress)
     return config.learning_rate * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
@@ -196,6 +199,8 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     **columns) and returns one float per completion. rollout: the engine that samples (default: transformers'
     generate on `model`, or the vLLM engine load_model attached)."""
     rollout = rollout or getattr(model, "rollout_engine", None) or HFRollout(model, tokenizer)
+    if config.reward_weights is not None and len(config.reward_weights) != len(reward_funcs):
+        raise Fp8kitError(f"reward_weights has {len(config.reward_weights)} values for {len(reward_funcs)} reward functions")
     rows = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
     if not rows or not all(isinstance(r.get("prompt"), str) for r in rows):
         raise Fp8kitError("prompts: expected a non-empty list of strings or of dicts with a 'prompt' string")
@@ -212,8 +217,11 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     if resume_from is not None:
         resume_from = Path(resume_from)
         if resume_from.name == "latest" or not (resume_from / STATE_FILE).exists():
-            resume_from = latest_checkpoint(resume_from.parent if resume_from.name == "latest" else resume_from) \
-                or resume_from
+            folder = resume_from.parent if resume_from.name == "latest" else resume_from
+            found = latest_checkpoint(folder) if folder.is_dir() else None
+            if found is None and resume_from.name == "latest":
+                raise Fp8kitError(f"{folder}: no checkpoint-<step> folder to resume from; drop resume_from to start anew")
+            resume_from = found or resume_from
         start = load_checkpoint(resume_from, model, optimizer, masters)
         rollout.sync_lora(model)
     if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
@@ -247,6 +255,7 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
             group["lr"] = lr
         model.train()
         chunks = torch.arange(len(completions)).chunk(config.gradient_accumulation_steps)
+        total_tokens = batch["mask"].sum().clamp_min(1).item()
         stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "mismatch_kl": 0.0, "is_weight_mean": 0.0}
         for idx in chunks:
             part = slice(int(idx[0]), int(idx[-1]) + 1)
@@ -260,8 +269,11 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
                           if config.importance_sampling else None)
             out = policy_loss(logp, logp.detach(), advantages[part], mask, config.loss_type, config.epsilon,
                               config.epsilon_high, config.beta, ref_logp, is_weights, config.max_completion_length)
-            (out.loss / len(chunks)).backward()
-            share = 1.0 / len(chunks)
+            # each micro-batch's share of the whole batch's loss: its tokens for dapo's token-level mean, its
+            # rows for the per-sequence means (grpo, gspo) and dr_grpo's fixed denominator
+            share = (mask.sum().clamp_min(1).item() / total_tokens if config.loss_type == "dapo"
+                     else len(idx) / len(completions))
+            (out.loss * share).backward()
             stats["loss"] += out.loss.item() * share
             stats["kl"] += out.kl * share
             stats["clip_ratio"] += out.clip_ratio * share
@@ -273,7 +285,9 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
                 masters[name].grad = None if p.grad is None else p.grad.float()
                 p.grad = None
         grad_norm = torch.nn.utils.clip_grad_norm_(list(masters.values()), config.max_grad_norm).item()
-        optimizer.step()
+        skipped = not math.isfinite(grad_norm)  # an fp16 overflow: keep the adapter, drop this step's update
+        if not skipped:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for name, p in trainable.items():
@@ -287,7 +301,7 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
 
         completion_tokens = int(batch["mask"].sum().item())
         metrics = {"step": step, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
-                   **per_func, **stats, "grad_norm": grad_norm, "lr": lr,
+                   **per_func, **stats, "grad_norm": grad_norm, "lr": lr, "update_skipped": skipped,
                    "completion_length": completion_tokens / len(completions),
                    "rollout_tokens_per_s": completion_tokens / gen_s,
                    "train_tokens_per_s": int(batch["attention_mask"].sum().item()) / train_s,

@@ -194,6 +194,29 @@ def _load(path, config, scheme, dtype, lora_rank, lora_alpha, target_modules, lo
     return model.to(device)
 
 
+def checkpoint_mismatches(model: nn.Module, path: str | Path) -> list[str]:
+    """The model's base tensors whose values differ from the checkpoint's. For a model assembled from another
+    engine's parameters (vLLM) this proves the views are the checkpoint's own values, split and transposed
+    right. Per-tensor FP8 layers are skipped: vLLM re-quantizes fused shards to one shared scale."""
+    tensors = _checkpoint_tensors(Path(path), torch.device("cpu"))
+    differing = []
+    for name, mine in list(model.named_parameters()) + list(model.named_buffers()):
+        module_name, _, leaf = name.rpartition(".")
+        if leaf in ("lora_A", "lora_B") or "rotary" in name:
+            continue
+        if getattr(model.get_submodule(module_name), "scheme", None) == "tensor":
+            continue
+        key = name if name in tensors else f"{module_name}.weight_scale_inv" if leaf == "weight_scale" else None
+        if key not in tensors:  # e.g. a tied lm_head, saved once as embed_tokens
+            continue
+        ref, mine = tensors[key](), mine.detach().cpu()
+        if mine.dtype == torch.float8_e4m3fn:
+            mine, ref = mine.view(torch.uint8), ref.view(torch.uint8)
+        if mine.shape != ref.shape or not torch.equal(mine, ref.to(mine.dtype)):
+            differing.append(name)
+    return differing
+
+
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
     """The reference policy: the base model alone, LoRA scaled to zero for the duration."""

@@ -36,7 +36,7 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
     from transformers import AutoTokenizer
 
     if load_in_fp8 not in (True, False, "block", "dynamic"):
-        raise Fp8kitError(f"load_in_fp8={load_in_fp8!r}: expected True, 'block' or False")
+        raise Fp8kitError(f"load_in_fp8={load_in_fp8!r}: expected True (or 'dynamic'), 'block' or False")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise Fp8kitError(f"dtype {dtype}: expected torch.bfloat16 or torch.float16 (float32 for CPU reference work)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,9 +70,13 @@ def _checkpoint(name: str, load_in_fp8: bool | str) -> Path:
     from fp8kit.converter.source import resolve as source_resolve
 
     local = Path(name).expanduser()
-    if local.is_dir() and read_config(local)[1] is not None:
+    scheme = read_config(local)[1] if local.is_dir() else None
+    if scheme is not None:
         if load_in_fp8 is False:
             raise Fp8kitError(f"{local}: already an FP8 checkpoint; the load_in_fp8=False baseline needs the original")
+        if load_in_fp8 == "block" and scheme != "block":
+            raise Fp8kitError(f"{local}: a {scheme} FP8 checkpoint, not block; pass load_in_fp8=True or the original "
+                              f"model to convert")
         return local
     if load_in_fp8 is False:
         return source_resolve(name)

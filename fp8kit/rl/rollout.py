@@ -37,6 +37,8 @@ class HFRollout:
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int = 0) -> list[Completion]:
         """n completions per prompt, prompt-major; each stops after EOS (kept) or at max_tokens."""
+        from transformers import GenerationConfig
+
         device = next(self.model.parameters()).device
         rows = [p for p in prompt_ids for _ in range(n)]
         width = max(len(p) for p in rows)
@@ -49,10 +51,13 @@ class HFRollout:
         was_training = self.model.training
         self.model.eval()
         try:
-            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
-                                      temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_tokens,
-                                      pad_token_id=self.pad_id, eos_token_id=self.eos_id, output_logits=True,
-                                      return_dict_in_generate=True)
+            # a fresh config: the checkpoint's generation_config (repetition penalty, min_p, ...) would change the
+            # sampling distribution away from the one whose log-probabilities are reported
+            config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                                      max_new_tokens=max_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+                                      output_logits=True, return_dict_in_generate=True)
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                      generation_config=config)
         finally:
             self.model.train(was_training)
         new = out.sequences[:, width:]

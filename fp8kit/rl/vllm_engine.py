@@ -34,6 +34,7 @@ from fp8kit.rl.rollout import Completion
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 LORA_ID = 1
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.25's allowed max_lora_rank values (config/lora.py)
 
 
 def split_sizes(config, fused: str) -> list[int]:
@@ -119,6 +120,9 @@ class VLLMRollout:
             raise Fp8kitError(f"dtype {dtype}: vLLM rollouts need torch.bfloat16 or torch.float16")
         # only the projections: left unrestricted, vLLM would also wrap embed_tokens and lm_head
         self.target_modules = list(target_modules or DEFAULT_TARGETS)
+        if lora_rank and lora_rank not in LORA_RANKS:
+            raise Fp8kitError(f"lora_rank={lora_rank}: vLLM serves LoRA ranks {', '.join(map(str, LORA_RANKS))}; "
+                              f"pick one of them (or fast_inference=False)")
         lora = {}
         if lora_rank:
             lora = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=1,
@@ -131,6 +135,7 @@ class VLLMRollout:
         self.vllm_model = worker.get_model()
         self.lora_request = None
         self._slot = None
+        self._covered = False
         self.asleep = False
 
     def training_model(self, scheme: str | None, dtype: torch.dtype, lora_rank: int = 32,
@@ -168,7 +173,10 @@ class VLLMRollout:
         manager = self.runner.lora_manager._adapter_manager
         self._manager = manager
         self._slot = manager.lora_index_to_id.index(LORA_ID)
-        manager.pin_adapter(LORA_ID)
+        manager.pin_adapter(LORA_ID)  # never evicted, so never re-read from the folder
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
 
     @torch.no_grad()
     def sync_lora(self, model: nn.Module) -> None:
@@ -179,10 +187,12 @@ class VLLMRollout:
 
         ours = lora_modules(model)
         slot = self._slot
+        written = set()
         for name, module in self._manager.modules.items():
             subs = self._manager.packed_modules.get(name, [name])
             for i, sub in enumerate(subs):
                 m = ours.get(sub)
+                written.add(sub)
                 a, b = module.lora_a_stacked[i][slot, 0], module.lora_b_stacked[i][slot, 0]
                 if m is None:
                     a.zero_()
@@ -190,6 +200,12 @@ class VLLMRollout:
                     continue
                 a[: m.rank, : m.in_features].copy_(m.lora_A)
                 b[: m.out_features, : m.rank].copy_(m.lora_B * m.scaling)
+        if not self._covered:
+            missing = sorted(set(ours) - written)
+            if missing:
+                raise Fp8kitError(f"vLLM has no LoRA slot for {len(missing)} of the model's LoRA modules, e.g. "
+                                  f"{missing[0]}; restrict target_modules to projections vLLM wraps")
+            self._covered = True
         torch.cuda.synchronize()
 
     def sleep(self) -> None:
@@ -201,6 +217,8 @@ class VLLMRollout:
 
     def wake(self) -> None:
         if self.asleep:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # hand the trainer's cached blocks back before the KV cache is mapped again
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
 
@@ -209,8 +227,10 @@ class VLLMRollout:
         from vllm import SamplingParams
 
         self.wake()
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
-                                seed=seed)
+        # one seed per prompt: vLLM seeds a prompt's j-th sample with seed + j, so a shared seed would give the same
+        # sample slot of every prompt the same random stream
+        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
+                                 seed=(seed * 65537 + i * n) % (2**31 - 1)) for i in range(len(prompt_ids))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, lora_request=self.lora_request,
                                  use_tqdm=False)
         completions = []
