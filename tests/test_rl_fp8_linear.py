@@ -35,7 +35,7 @@ def test_forward_equals_transformers_compressed_tensors(fp8_dirs, llama_dir, sch
 
 def test_activation_quantization_matches_vllm_granularity():
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 2, 256)
-    for scheme, shape in [("dynamic", (4, 1)), ("block", (4, 2)), ("tensor", (1,))]:
+    for scheme, shape in [("dynamic", (4, 1)), ("block", (4, 2)), ("tensor", (4, 1))]:  # vLLM: per token for tensor
         q, s = quantize_activation(x, scheme)
         assert q.dtype == torch.float8_e4m3fn and s.shape == shape and s.dtype == torch.float32
         deq = (q.float().reshape(4, -1, 128) * s.reshape(4, -1, 1)).reshape(4, 256) if scheme == "block" else q.float() * s

@@ -21,7 +21,7 @@ BLOCK = 128
 class Scheme:
     name: str
     weight_strategy: str  # compressed-tensors QuantizationStrategy: channel | block | tensor
-    activation_strategy: str  # token | group | tensor (always dynamic)
+    activation_strategy: str  # token | group (always dynamic)
     activation_group_size: int | None = None
     block: tuple[int, int] | None = None
 
@@ -48,7 +48,9 @@ class Scheme:
 SCHEMES: dict[str, Scheme] = {
     "dynamic": Scheme("dynamic", "channel", "token"),
     "block": Scheme("block", "block", "group", activation_group_size=BLOCK, block=(BLOCK, BLOCK)),
-    "tensor": Scheme("tensor", "tensor", "tensor"),
+    # per-token activations: vLLM quantizes dynamic activations per token whatever the weight strategy
+    # (compressed_tensors_w8a8_fp8.py, kFp8DynamicTokenSym), so the config says what every engine will do
+    "tensor": Scheme("tensor", "tensor", "token"),
 }
 
 

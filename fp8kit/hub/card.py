@@ -14,7 +14,7 @@ SCHEME_TEXT = {
     "block": "**FP8-Block**: float8_e4m3fn weights with one scale per 128x128 block (the DeepSeek-V3 / Qwen3-FP8 "
              "layout); activations are quantized per 1x128 group at run time.",
     "tensor": "**FP8 per-tensor**: float8_e4m3fn weights with one scale per tensor; activations are quantized "
-              "per tensor at run time.",
+              "per token at run time.",
 }
 COPIED_FIELDS = ("license", "license_name", "license_link", "gated", "language")
 

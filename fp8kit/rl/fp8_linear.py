@@ -1,8 +1,8 @@
 """A frozen FP8 Linear with a trainable LoRA: the training half of FP8 RL.
 
 The base weight stays float8_e4m3fn with its scale; activations are quantized the way vLLM quantizes
-them for the same checkpoint (per token for per-channel weights, per 1x128 group for 128x128 blocks,
-per tensor for per-tensor weights), so the trainer and the rollout engine compute the same function up to
+them for the same checkpoint (per token for per-channel and per-tensor weights, per 1x128 group for 128x128
+blocks), so the trainer and the rollout engine compute the same function up to
 accumulation order. Every backend, the CPU one included, quantizes activations identically; the backends
 differ only in how the FP8 product is computed. Backward produces gradients for the input and the LoRA
 parameters only; the base weight is dequantized transiently for the input gradient and never kept.
@@ -26,21 +26,20 @@ GROUP = 128
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for dynamic activation scales (fp8_utils)
 # reference: dequantize and multiply (any device, the CPU path); torch: torch's scaled_mm GEMMs with the
 # activation quantized by torch ops; triton: the same GEMMs with the activation quantized by one fused
-# Triton kernel (per-tensor activations fall back to torch ops); fbgemm, torchao: those libraries' GEMMs
+# Triton kernel; fbgemm, torchao: those libraries' GEMMs
 # (kernel_backends.py lists the pairs they support) after the same fused quantizer when Triton is there.
 LIBRARY_BACKENDS = kernel_backends.LIBRARY_BACKENDS
 BACKENDS = ("reference", "torch", "triton", *LIBRARY_BACKENDS)
 
 
 def quantize_activation(x: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (float8 [M, K], float32 scale): [M, 1] per token, [M, K/128] per group, [1] per tensor."""
+    """x [M, K] -> (float8 [M, K], float32 scale): [M, 1] per token for per-channel and per-tensor weights (as
+    vLLM does for dynamic activations whatever the weight strategy), [M, K/128] per group for block weights."""
     xf = x.float()
-    if scheme == "dynamic":
-        scale = xf.abs().amax(dim=1, keepdim=True) / FP8_MAX
-    elif scheme == "block":
+    if scheme == "block":
         scale = xf.reshape(x.shape[0], -1, GROUP).abs().amax(dim=2) / FP8_MAX
     else:
-        scale = xf.abs().amax().reshape(1) / FP8_MAX
+        scale = xf.abs().amax(dim=1, keepdim=True) / FP8_MAX
     scale = scale.clamp_min(MIN_SCALE)
     if scheme == "block":
         q = (xf.reshape(x.shape[0], -1, GROUP) / scale[:, :, None]).reshape(x.shape)
@@ -69,6 +68,8 @@ def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, ws: tor
     if backend == "reference":
         return (_dequantize_activation(xq, xs, scheme) @ dequantize_weight(weight, ws, scheme, torch.float32).t()
                 ).to(out_dtype)
+    if scheme == "tensor":  # per-token activations and one weight scale: the row-wise GEMM, scale broadcast
+        ws, scheme = ws.float().reshape(1).expand(weight.shape[0]).reshape(-1, 1).contiguous(), "dynamic"
     if backend in LIBRARY_BACKENDS:
         return kernel_backends.matmul(backend, xq, xs, weight, ws, scheme, out_dtype)
     if scheme == "block":
@@ -76,9 +77,7 @@ def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, ws: tor
         # weight scales as [K/128, N/128] with strides (1, K/128), i.e. ws.t() (checked on an H200).
         return F.scaled_mm(xq, weight.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128,
                            ws.t(), F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
-    if scheme == "dynamic":
-        return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=ws.reshape(1, -1), out_dtype=out_dtype)
-    return torch._scaled_mm(xq, weight.t(), scale_a=xs.reshape(()), scale_b=ws.reshape(()), out_dtype=out_dtype)
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=ws.reshape(1, -1), out_dtype=out_dtype)
 
 
 def pick_backend(device: torch.device, requested: str | None = None) -> str:
@@ -107,14 +106,14 @@ def pick_backend(device: torch.device, requested: str | None = None) -> str:
 
 def _quantize_input(x2: torch.Tensor, scheme: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_activation's bytes: the fused Triton kernel for triton (required) and fbgemm/torchao (if any)."""
-    if scheme != "tensor" and backend in ("triton", *LIBRARY_BACKENDS):
+    if backend in ("triton", *LIBRARY_BACKENDS):
         try:
             from fp8kit.rl.triton_quant import quantize_activation_triton
         except ImportError:
             if backend == "triton":
                 raise
         else:
-            return quantize_activation_triton(x2.contiguous(), scheme)
+            return quantize_activation_triton(x2.contiguous(), "block" if scheme == "block" else "dynamic")
     return quantize_activation(x2, scheme)
 
 

@@ -6,7 +6,7 @@ backend does; only the GEMM kernel differs. Supported (backend, scheme) pairs:
 
 fbgemm (fbgemm-gpu-genai 1.6, CUTLASS; writes bfloat16 only, so the layer dtype must be bfloat16):
   dynamic  torch.ops.fbgemm.f8f8bf16_rowwise(xq, W, xs [M], ws [N], use_fast_accum=False)    SM90, SM100
-  tensor   the same rowwise kernel with the two scalars broadcast to [M] and [N]: the same products
+  tensor   the same rowwise kernel: per-token activations, the weight's one scale broadcast to [N]
            (acc * ws * xs, float32 epilogue), so no approximation                             SM90, SM100
   block    torch.ops.fbgemm.f8f8bf16_groupwise: 1x128 activation groups x 128x128 weight blocks, scales
            MN-major (xs.T [K/128, M], ws.T [K/128, N/128], as its own quantize_fp8_group(k_major=False)
@@ -126,7 +126,7 @@ def matmul(backend: str, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tenso
         if scheme == "block":  # MN-major scales: [K/128, M] and [K/128, ceil(N/128)]
             y = torch.ops.fbgemm.f8f8bf16_groupwise(xq.contiguous(), weight, xs.t().contiguous(),
                                                     ws.t().contiguous())
-        else:  # per tensor: each row and column scale is the scalar, so the epilogue computes acc * ws * xs
+        else:  # per token x per channel (fp8_matmul hands per-tensor weights over with the scale broadcast)
             x_scale = xs.reshape(-1).expand(M).contiguous()
             w_scale = ws.float().reshape(-1).expand(N).contiguous()
             y = torch.ops.fbgemm.f8f8bf16_rowwise(xq.contiguous(), weight, x_scale, w_scale, use_fast_accum=False)
@@ -138,11 +138,7 @@ def matmul(backend: str, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tenso
         else:
             from torchao.float8.inference import addmm_float8_unwrapped_inference
 
-            if scheme == "dynamic":
-                a_scale, b_scale = xs, ws.reshape(1, -1)
-            else:
-                a_scale, b_scale = xs.reshape(()), ws.reshape(())
-            return addmm_float8_unwrapped_inference(xq, a_scale, weight.t(), b_scale, output_dtype=out_dtype,
+            return addmm_float8_unwrapped_inference(xq, xs, weight.t(), ws.reshape(1, -1), output_dtype=out_dtype,
                                                     use_fast_accum=False)
     else:
         raise ValueError(backend)
