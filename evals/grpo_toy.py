@@ -58,6 +58,10 @@ def pretrain(directory: Path, seed: int, steps: int = 300) -> Path:
 
     if (directory / "config.json").exists():
         return directory
+    import shutil
+
+    final, directory = directory, directory.with_name(directory.name + ".partial")
+    shutil.rmtree(directory, ignore_errors=True)  # built aside and renamed: a killed run leaves no half model
     tokenizer = make_tokenizer(directory)
     config = transformers.LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer),
@@ -82,7 +86,8 @@ def pretrain(directory: Path, seed: int, steps: int = 300) -> Path:
 
     with quiet():
         model.to(torch.bfloat16).save_pretrained(directory)
-    return directory
+    directory.rename(final)
+    return final
 
 
 def main():

@@ -37,7 +37,7 @@ class GRPOConfig:
     num_generations: int = 8
     max_completion_length: int = 64
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = 1.0  # keep 1.0 for exact importance weights: the trainer scores the full softmax(logits / T)
     loss_type: str = "grpo"  # grpo | dr_grpo | dapo | gspo
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: epsilon, except dapo's clip-higher 0.28 (DAPO paper)
@@ -161,12 +161,14 @@ def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
 
 def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict) -> int:
     """Adapter, master weights and AdamW state back in place; returns the step the checkpoint was written after."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
         state = json.loads((directory / STATE_FILE).read_text())
         tensors = load_file(directory / OPTIMIZER_FILE)
-    except (OSError, ValueError) as e:
+        state["step"], state["optimizer_steps"]
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
         raise Fp8kitError(f"{directory}: not a readable fp8kit GRPO checkpoint ({e}); pass a checkpoint-<step> "
                           f"folder written by train()") from e
     load_adapter(model, directory)
