@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -99,10 +100,10 @@ def low_token_reward(vocab: int):
 
 
 class TokenPrompts:
-    """A tokenizer stand-in for prompts that are token ids already (the text tokenizer stays for decoding)."""
+    """A tokenizer stand-in for prompts that are token ids already; the reward reads completion ids, not text."""
 
     def __init__(self, tokenizer, table: dict[str, list[int]]):
-        self.tokenizer, self.table = tokenizer, table
+        self.table = table
         self.pad_token_id, self.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
 
     def __call__(self, text):
@@ -156,8 +157,6 @@ def run_variant(args) -> dict:
         train(model, TokenPrompts(tokenizer, table), list(table), [low_token_reward(vocab)], config,
               on_step=lambda m: (history.append(m), print(json.dumps(m), flush=True)))
     adapter = Path(args.workdir) / f"adapter-{args.variant}"
-    import shutil
-
     shutil.rmtree(adapter, ignore_errors=True)
     adapter.mkdir(parents=True)
     write_adapter(model, adapter, str(checkpoint))

@@ -97,11 +97,14 @@ def test_load_model_variants(tiny_llama, tmp_path, monkeypatch):
     assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
     assert all(m.weight.dtype == torch.bfloat16 for m in lora_modules(base).values())
     assert all(m.weight.dtype == torch.float8_e4m3fn for m in lora_modules(fp8).values())
-    converted = next((tmp_path / "cache").rglob("fp8kit-entry.json")).parent
+    converted = next(m.parent for m in (tmp_path / "cache").rglob("fp8kit-entry.json")
+                     if json.loads(m.read_text())["scheme"] == "dynamic")
     with pytest.raises(Fp8kitError, match="already an FP8 checkpoint"):
         load_model(str(converted), load_in_fp8=False)
     with pytest.raises(Fp8kitError, match="load_in_fp8"):
         load_model(str(tiny_llama), load_in_fp8="tensor")
+    with pytest.raises(Fp8kitError, match="a dynamic FP8 checkpoint, not block"):
+        load_model(str(converted), load_in_fp8="block")
 
 
 def test_checkpoint_mismatches_finds_a_wrong_view(tiny_fp8, tiny_llama):
@@ -202,6 +205,22 @@ def test_bad_input(tiny_fp8, tmp_path):
     (tmp_path / "ckpt").mkdir()
     with pytest.raises(Fp8kitError, match="not a readable fp8kit GRPO checkpoint"):
         train(model, tok, ["the"], [lambda prompts, completions, **_: [0.0] * 2], config, resume_from=tmp_path / "ckpt")
+    with pytest.raises(Fp8kitError, match="reward_weights has 2 values for 1"):
+        train(model, tok, ["the"], [lambda prompts, completions, **_: [0.0] * 2],
+              GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, reward_weights=[1.0, 2.0]))
+    with pytest.raises(Fp8kitError, match="no checkpoint-<step> folder"):
+        train(model, tok, ["the"], [lambda prompts, completions, **_: [0.0] * 2], config,
+              resume_from=tmp_path / "ckpt" / "latest")
+    (tmp_path / "ckpt" / "trainer_state.json").write_text("{}")  # readable, but not ours
+    (tmp_path / "ckpt" / "optimizer.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(Fp8kitError, match="not a readable fp8kit GRPO checkpoint"):
+        train(model, tok, ["the"], [lambda prompts, completions, **_: [0.0] * 2], config, resume_from=tmp_path / "ckpt")
+    from fp8kit.rl.vllm_engine import VLLMRollout
+
+    with pytest.raises(Fp8kitError, match="vLLM serves LoRA ranks"):  # refused before vLLM is even imported
+        VLLMRollout(tiny_fp8, lora_rank=4)
+    with pytest.raises(Fp8kitError, match="need torch.bfloat16 or torch.float16"):
+        VLLMRollout(tiny_fp8, dtype=torch.float32)
     frozen, tok = load_model(str(tiny_fp8), lora_rank=0, device="cpu")
     with pytest.raises(Fp8kitError, match="no trainable LoRA"):
         train(frozen, tok, ["the"], [lambda prompts, completions, **_: [0.0] * 2], config)

@@ -5,11 +5,11 @@ vLLM through exactly the code paths the FP8 model uses and the comparison measur
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fp8kit.rl.fp8_linear import add_lora, init_lora
 
 
 class LoRALinear(nn.Module):
@@ -22,23 +22,10 @@ class LoRALinear(nn.Module):
         self.scheme = None
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
-        self.rank = rank
-        self.scaling = (alpha if alpha is not None else rank) / rank if rank else 0.0
-        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
-        if rank:
-            self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, dtype=dtype, device=weight.device))
-            self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=dtype, device=weight.device))
-            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # PEFT's default initialisation
-        else:
-            self.lora_A = self.lora_B = None
+        init_lora(self, rank, alpha, dropout, dtype, weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        if self.lora_A is not None:
-            x2 = self.lora_dropout(x).reshape(-1, self.in_features)
-            y = torch.addmm(y.reshape(-1, self.out_features), x2 @ self.lora_A.t(), self.lora_B.t(),
-                            alpha=self.scaling).reshape(y.shape)
-        return y
+        return add_lora(self, x, F.linear(x, self.weight, self.bias))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, dtype={self.weight.dtype}, rank={self.rank}"

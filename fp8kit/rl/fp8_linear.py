@@ -141,6 +141,29 @@ class _FP8MatMul(torch.autograd.Function):
         return grad_in, None, None, None, None
 
 
+def init_lora(module: nn.Module, rank: int, alpha: float | None, dropout: float, dtype: torch.dtype,
+              device: torch.device) -> None:
+    """LoRA A and B (PEFT's initialisation: Kaiming-uniform A, zero B) on a module with in/out_features."""
+    module.rank = rank
+    module.scaling = (alpha if alpha is not None else rank) / rank if rank else 0.0
+    module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+    if rank:
+        module.lora_A = nn.Parameter(torch.empty(rank, module.in_features, dtype=dtype, device=device))
+        module.lora_B = nn.Parameter(torch.zeros(module.out_features, rank, dtype=dtype, device=device))
+        nn.init.kaiming_uniform_(module.lora_A, a=math.sqrt(5))
+    else:
+        module.lora_A = module.lora_B = None
+
+
+def add_lora(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y + dropout(x) @ A.T @ B.T * scaling in one addmm: no extra pass over y."""
+    if module.lora_A is None:
+        return y
+    x2 = module.lora_dropout(x).reshape(-1, module.in_features)
+    return torch.addmm(y.reshape(-1, module.out_features), x2 @ module.lora_A.t(), module.lora_B.t(),
+                       alpha=module.scaling).reshape(y.shape)
+
+
 class FP8LoRALinear(nn.Module):
     """y = fp8(x) @ fp8(W).T + b + dropout(x) @ A.T @ B.T * alpha / r, with W frozen in FP8."""
 
@@ -155,29 +178,17 @@ class FP8LoRALinear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale.float())
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        self.rank = rank
-        self.scaling = (alpha if alpha is not None else rank) / rank if rank else 0.0
-        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         if backend is not None:
             pick_backend(weight.device, backend)  # an unknown name or a missing package fails here, not later
         self.backend = backend
-        if rank:
-            self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, dtype=dtype, device=weight.device))
-            self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=dtype, device=weight.device))
-            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # PEFT's default initialisation
-        else:
-            self.lora_A = self.lora_B = None
+        init_lora(self, rank, alpha, dropout, dtype, weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = self.backend or pick_backend(x.device)
         y = _FP8MatMul.apply(x, self.weight, self.weight_scale, self.scheme, backend)
         if self.bias is not None:
             y = y + self.bias
-        if self.lora_A is not None:  # one addmm adds the LoRA product into y: no extra pass over y
-            x2 = self.lora_dropout(x).reshape(-1, self.in_features)
-            y = torch.addmm(y.reshape(-1, self.out_features), x2 @ self.lora_A.t(), self.lora_B.t(),
-                            alpha=self.scaling).reshape(y.shape)
-        return y
+        return add_lora(self, x, y)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}, rank={self.rank}"

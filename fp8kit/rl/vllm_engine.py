@@ -109,20 +109,20 @@ class VLLMRollout:
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.bfloat16, max_seq_length: int = 2048,
                  gpu_memory_utilization: float = 0.6, lora_rank: int = 32, target_modules=None,
                  **engine_kwargs):
+        from fp8kit.rl.loader import DEFAULT_TARGETS
+
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise Fp8kitError(f"dtype {dtype}: vLLM rollouts need torch.bfloat16 or torch.float16")
+        if lora_rank and lora_rank not in LORA_RANKS:
+            raise Fp8kitError(f"lora_rank={lora_rank}: vLLM serves LoRA ranks {', '.join(map(str, LORA_RANKS))}; "
+                              f"pick one of them (or fast_inference=False)")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model must live in this process
         from vllm import LLM
 
         self.path = Path(path)
         self.lora_rank = lora_rank
-        from fp8kit.rl.loader import DEFAULT_TARGETS
-
-        if dtype not in (torch.bfloat16, torch.float16):
-            raise Fp8kitError(f"dtype {dtype}: vLLM rollouts need torch.bfloat16 or torch.float16")
         # only the projections: left unrestricted, vLLM would also wrap embed_tokens and lm_head
         self.target_modules = list(target_modules or DEFAULT_TARGETS)
-        if lora_rank and lora_rank not in LORA_RANKS:
-            raise Fp8kitError(f"lora_rank={lora_rank}: vLLM serves LoRA ranks {', '.join(map(str, LORA_RANKS))}; "
-                              f"pick one of them (or fast_inference=False)")
         lora = {}
         if lora_rank:
             lora = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=1,
