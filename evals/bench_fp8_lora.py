@@ -1,12 +1,15 @@
 """LoRA training step on frozen FP8 weights against frozen BF16 weights, side by side in one run (GPU).
 
 A stack of Qwen3-8B-shaped decoder layers (hidden 4096, MLP 12288, 32 heads, 8 KV heads, head dim 128),
-LoRA rank 32 on every projection; forward + backward of a batch, tokens/s and peak memory, for BF16 and for
-FP8 with each backend and scheme. Backends this machine cannot run (fbgemm-gpu-genai or torchao missing, a
-scheme the library or GPU lacks) get a row with the reason instead of numbers. Writes
-evals/results/fp8_lora.json, rewritten after every variant so that a run cut short keeps what it measured.
+LoRA rank 32 on every projection; forward + backward of a batch, tokens/s and peak memory, for BF16 (fp8kit's
+LoRA layer and PEFT's forward) and for FP8 with each backend and scheme, eager and under torch.compile, with the
+exact or the FP8 input gradient. Each FP8 row is compared with the faster BF16 row of its own mode. Backends this
+machine cannot run (fbgemm-gpu-genai or torchao missing, a scheme the library or GPU lacks) get a row with the
+reason instead of numbers. Writes evals/results/fp8_lora.json, rewritten after every variant so that a run cut
+short keeps what it measured.
 
-    python evals/bench_fp8_lora.py [--layers 4] [--batch 4] [--seq 2048] [--budget-s 300]
+    python evals/bench_fp8_lora.py [--layers 4] [--batch 4] [--seq 2048] [--budget-s 300] [--profile]
+                                   [--variants bf16,dynamic/triton/fp8bwd+compile,...]
                                    [--out evals/results/fp8_lora.json]
 """
 
@@ -31,8 +34,9 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=3
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-class BF16LoRALinear(nn.Module):
-    """The baseline: frozen BF16 weight, the same LoRA as FP8LoRALinear."""
+class PeftStyleLoRALinear(nn.Module):
+    """The `bf16-peft` baseline: frozen BF16 weight and PEFT's LoRA forward (base + B(A(x)) * scaling, three
+    passes over the output), as PEFT and TRL users run it."""
 
     def __init__(self, linear: nn.Linear, rank: int, alpha: float):
         super().__init__()
@@ -51,7 +55,9 @@ def build(layers: int, variant: str, rank: int):
 
     from fp8kit.converter.schemes import SCHEMES, quantize_weight
     from fp8kit.rl import FP8LoRALinear
+    from fp8kit.rl.bf16_lora import LoRALinear
 
+    variant, compile = variant.removesuffix("+compile"), variant.endswith("+compile")
     torch.manual_seed(0)
     config = Qwen3Config(num_hidden_layers=layers, **QWEN3_8B)
     config._attn_implementation = "sdpa"
@@ -61,16 +67,24 @@ def build(layers: int, variant: str, rank: int):
         if name.rsplit(".", 1)[-1] not in PROJECTIONS:
             continue
         parent, _, leaf = name.rpartition(".")
-        if variant == "bf16":
-            new = BF16LoRALinear(module, rank, 2 * rank)
+        if variant == "bf16":  # fp8kit's own BF16 baseline: the same LoRA code as FP8LoRALinear
+            new = LoRALinear(module.weight.detach(), None, rank=rank, alpha=2 * rank, dtype=torch.bfloat16)
+        elif variant == "bf16-peft":
+            new = PeftStyleLoRALinear(module, rank, 2 * rank)
         else:
-            scheme, backend = variant.split("/")
+            scheme, backend, *option = variant.split("/")
             q, s = quantize_weight(module.weight.detach(), SCHEMES[scheme], torch.float32)
-            new = FP8LoRALinear(q, s, scheme, rank=rank, alpha=2 * rank, dtype=torch.bfloat16, backend=backend)
+            new = FP8LoRALinear(q, s, scheme, rank=rank, alpha=2 * rank, dtype=torch.bfloat16, backend=backend,
+                                fp8_backward=option == ["fp8bwd"])
         setattr(model.get_submodule(parent), leaf, new)
         del module
     for n, p in model.named_parameters():
         p.requires_grad_("lora_" in n)
+    if compile:  # regional compilation: each decoder layer, the same for every variant
+        torch._dynamo.reset()  # no variant reuses (or counts against the recompile limit of) another's graphs
+        torch._dynamo.config.recompile_limit = 64  # at most one graph per layer
+        for layer in model.layers:
+            layer.compile()
     torch.cuda.empty_cache()
     return model
 
@@ -91,7 +105,7 @@ def measure(variant: str, args) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-4)
 
     def step():
-        out = model(inputs_embeds=x).last_hidden_state
+        out = model(inputs_embeds=x, use_cache=False).last_hidden_state
         loss = out.float().pow(2).mean()
         loss.backward()
         opt.step()
@@ -111,20 +125,44 @@ def measure(variant: str, args) -> dict:
     row = {"tokens_per_s": args.batch * args.seq / seconds, "step_ms": seconds * 1e3,
            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "weight_gb": weights / 1e9,
            "warmup_s": warmup_s}
+    if args.profile:
+        row["kernels"] = profile(step)
     del model, opt, params
     torch.cuda.empty_cache()
     return row
 
 
-DEFAULT_VARIANTS = ("bf16,dynamic/torch,dynamic/triton,block/torch,block/triton,tensor/torch,"
+def profile(step, top: int = 30) -> dict:
+    """GPU time of one step by kernel: {"total_ms", "top": [[name, ms, calls], ...]} (names cut at 90 chars)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    times: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            entry = times.setdefault(e.name[:90], [0.0, 0])
+            entry[0] += e.device_time / 1e3
+            entry[1] += 1
+    ranked = sorted(times.items(), key=lambda kv: -kv[1][0])
+    return {"total_ms": sum(v[0] for v in times.values()),
+            "top": [[name, round(ms, 3), calls] for name, (ms, calls) in ranked[:top]]}
+
+
+DEFAULT_VARIANTS = ("bf16,bf16-peft,dynamic/torch,dynamic/triton,dynamic/triton/fp8bwd,block/torch,block/triton,"
+                    "block/triton/fp8bwd,tensor/triton,tensor/triton/fp8bwd,"
+                    "bf16+compile,bf16-peft+compile,dynamic/triton+compile,dynamic/triton/fp8bwd+compile,"
+                    "tensor/triton/fp8bwd+compile,"
                     "dynamic/fbgemm,block/fbgemm,tensor/fbgemm,dynamic/torchao,tensor/torchao,block/torchao")
 
 
 def unsupported(variant: str, backends: dict) -> str | None:
     """Why this machine cannot run the variant (from available_backends), or None."""
-    if variant == "bf16":
+    if variant.startswith("bf16"):
         return None
-    scheme, backend = variant.split("/")
+    scheme, backend, *_ = variant.removesuffix("+compile").split("/")
     if backend not in backends:
         return f"unknown backend {backend!r}"
     entry = backends[backend]
@@ -132,16 +170,23 @@ def unsupported(variant: str, backends: dict) -> str | None:
 
 
 def summarize(rows: dict, report: dict) -> None:
-    base = rows.get("bf16", {})
-    fp8 = {k: v for k, v in rows.items() if k != "bf16" and "tokens_per_s" in v}
-    if "tokens_per_s" not in base:
-        return
-    for v in fp8.values():
-        v["speedup_vs_bf16"] = v["tokens_per_s"] / base["tokens_per_s"]
-        v["peak_memory_ratio_vs_bf16"] = v["peak_memory_gb"] / base["peak_memory_gb"]
-        v["weight_memory_ratio"] = v["weight_gb"] / base["weight_gb"]
+    """Speedups against the faster BF16 baseline (fp8kit's LoRA or PEFT's forward) of the same mode, eager or
+    compiled; the report's headline is the best FP8 row."""
+    done = {k: v for k, v in rows.items() if "tokens_per_s" in v}
+    for compiled in (False, True):
+        mode = {k: v for k, v in done.items() if k.endswith("+compile") == compiled}
+        bf16 = [v for k, v in mode.items() if k.startswith("bf16")]
+        if not bf16:
+            continue
+        base = max(bf16, key=lambda v: v["tokens_per_s"])
+        for k, v in mode.items():
+            if not k.startswith("bf16"):
+                v["speedup_vs_bf16"] = v["tokens_per_s"] / base["tokens_per_s"]
+                v["peak_memory_ratio_vs_bf16"] = v["peak_memory_gb"] / base["peak_memory_gb"]
+                v["weight_memory_ratio"] = v["weight_gb"] / base["weight_gb"]
+    fp8 = {k: v for k, v in done.items() if "speedup_vs_bf16" in v}
     if fp8:
-        best = max(fp8, key=lambda k: fp8[k]["tokens_per_s"])
+        best = max(fp8, key=lambda k: fp8[k]["speedup_vs_bf16"])
         report.update(best_backend=best, speedup_vs_bf16=fp8[best]["speedup_vs_bf16"],
                       weight_memory_ratio=fp8[best]["weight_memory_ratio"],
                       peak_memory_ratio_vs_bf16=fp8[best]["peak_memory_ratio_vs_bf16"])
@@ -155,7 +200,10 @@ def main():
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS,
+                    help="comma-separated: bf16, bf16-peft and scheme/backend[/fp8bwd], each optionally +compile "
+                         "(fp8bwd: the input-gradient GEMM in FP8 too; +compile: torch.compile each decoder layer)")
+    ap.add_argument("--profile", action="store_true", help="add each variant's GPU time per kernel for one step")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new variant after this many seconds (those left get a 'skipped' row)")
     ap.add_argument("--out", default=str(ROOT / "evals/results/fp8_lora.json"))

@@ -157,6 +157,8 @@ def main():
                     help="leave vLLM's default block kernels (DeepGEMM/FlashInfer, JIT-compiled on first start) on")
     ap.add_argument("--timeout", type=int, default=560, help="seconds one engine may take")
     ap.add_argument("--custom-ops", help="vLLM compilation custom_ops, e.g. +quant_fp8")
+    ap.add_argument("--prepare", action="store_true",
+                    help="only make the model and convert the variants into --workdir (split a long run over calls)")
     args = ap.parse_args()
     global TIMEOUT
     TIMEOUT = args.timeout
@@ -199,6 +201,8 @@ def main():
                 t0 = time.perf_counter()
                 convert(src, path, scheme=variant, device="cuda")
                 results.setdefault(f"{args.model}/convert", {})[variant] = {"seconds": time.perf_counter() - t0}
+        if args.prepare:
+            continue
         for workload in args.workloads.split(","):
             key = (f"{args.model}/{workload}/{variant}" + ("+deepgemm" if args.deep_gemm else "")
                    + (f"+custom_ops={args.custom_ops}" if args.custom_ops else ""))

@@ -10,10 +10,11 @@ from fp8kit.rl.fp8_linear import quantize_activation
 pytestmark = pytest.mark.gpu
 
 
-def layer(scheme, backend, seed=0):
+def layer(scheme, backend, seed=0, fp8_backward=False):
     g = torch.Generator().manual_seed(seed)
     w_q, w_s = quantize_weight(torch.randn(1024, 2048, generator=g) * 0.02, SCHEMES[scheme], torch.float32)
-    m = FP8LoRALinear(w_q, w_s, scheme, rank=16, alpha=32, dtype=torch.bfloat16, backend=backend)
+    m = FP8LoRALinear(w_q, w_s, scheme, rank=16, alpha=32, dtype=torch.bfloat16, backend=backend,
+                      fp8_backward=fp8_backward)
     with torch.no_grad():
         m.lora_A.copy_(torch.randn(16, 2048, generator=g) * 0.02)
         m.lora_B.copy_(torch.randn(1024, 16, generator=g) * 0.02)
@@ -31,9 +32,10 @@ def test_triton_quantizer_writes_torch_bytes(scheme):
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
 
 
-def _matches_reference(scheme, backend):
+def _matches_reference(scheme, backend, fp8_backward=False):
     x = (torch.randn(4, 256, 2048, device="cuda") * 2).to(torch.bfloat16)
-    ref_layer, gpu_layer = layer(scheme, "reference"), layer(scheme, backend)
+    ref_layer = layer(scheme, "reference", fp8_backward=fp8_backward)
+    gpu_layer = layer(scheme, backend, fp8_backward=fp8_backward)
     xr, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
     yr, yg = ref_layer(xr), gpu_layer(xg)
     # same FP8 operands; float32 accumulation in another order, then one bf16 rounding
@@ -49,6 +51,27 @@ def _matches_reference(scheme, backend):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_cuda_backends_match_reference(scheme, backend):
     _matches_reference(scheme, backend)
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_backward_matches_reference(scheme, backend):
+    _matches_reference(scheme, backend, fp8_backward=True)
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "block"])
+def test_triton_grad_quantizer_and_transpose_write_torch_bytes(scheme):
+    from fp8kit.rl.fp8_linear import quantize_grad
+    from fp8kit.rl.triton_quant import quantize_activation_triton, transpose_fp8
+
+    g = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
+    ws = torch.rand(1024, 1, device="cuda") * 1e-3
+    col = None if scheme == "block" else ws.reshape(-1)
+    q1, s1 = quantize_activation_triton(g, scheme, col)
+    q2, s2 = quantize_grad(g, ws, scheme)
+    assert torch.equal(s1, s2) and torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
+    w = (torch.randn(384, 200, device="cuda") * 50).to(torch.float8_e4m3fn)  # sizes that are not tile multiples
+    assert torch.equal(transpose_fp8(w).view(torch.uint8), w.t().contiguous().view(torch.uint8))
 
 
 LIBRARIES = {"fbgemm": "fbgemm_gpu", "torchao": "torchao"}

@@ -272,3 +272,89 @@ def test_library_backend_support_matrix(monkeypatch):
     assert "writes bfloat16 only" in kernel_backends.unsupported("fbgemm", "dynamic", gpu, f16)
     assert "SM90" in kernel_backends.unsupported("fbgemm", "block", gpu, bf16)
     assert "CUDA" in kernel_backends.unsupported("torchao", "block", torch.device("cpu"), bf16)
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+def test_fp8_backward_is_the_fp8_product_of_the_quantized_gradient(scheme):
+    """fp8_backward=True: the input gradient is quantize_grad(g) @ W in FP8, within e4m3's rounding of the exact
+    one; LoRA gradients are unchanged (they never touch the FP8 weight)."""
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+    from fp8kit.rl.fp8_linear import quantize_grad
+
+    g = torch.Generator().manual_seed(4)
+    w_q, w_s = quantize_weight(torch.randn(256, 384, generator=g) * 0.05, SCHEMES[scheme], torch.float32)
+    x = torch.randn(3, 5, 384, generator=g)
+    up = torch.randn(3, 5, 256, generator=g) * torch.logspace(-3, 1, 256)  # uneven columns: scales matter
+    grads = {}
+    for fp8_backward in (False, True):
+        layer = FP8LoRALinear(w_q, w_s, scheme, rank=8, dtype=torch.float32, backend="reference",
+                              fp8_backward=fp8_backward)
+        with torch.no_grad():
+            layer.lora_B.copy_(torch.randn(256, 8, generator=torch.Generator().manual_seed(5)))
+            layer.lora_A.copy_(torch.randn(8, 384, generator=torch.Generator().manual_seed(6)) * 0.05)
+        xx = x.clone().requires_grad_()
+        (layer(xx) * up).sum().backward()
+        grads[fp8_backward] = (xx.grad.double(), layer.lora_A.grad.double(), layer.lora_B.grad.double())
+    w = dequantize_weight(w_q, w_s, scheme, torch.float64)
+    up2 = up.reshape(-1, 256)
+    gq, gs = quantize_grad(up2, w_s, scheme)
+    if scheme == "block":
+        g_deq = (gq.double().reshape(15, -1, 128) * gs.double()[:, :, None]).reshape(15, 256)
+        expected = g_deq @ w
+    else:
+        expected = (gq.double() * gs.double()) @ w_q.double()
+    lora_part = (up2.double() * 1.0) @ (layer.lora_B.detach().double() @ layer.lora_A.detach().double()) * layer.scaling
+    exact = up2.double() @ w + lora_part
+    got = grads[True][0].reshape(15, 384)
+    assert (got - (expected + lora_part)).norm() / got.norm() < 1e-6
+    err = float((got - exact).norm() / exact.norm())
+    assert 1e-4 < err < 0.04, err  # FP8 rounding of the gradient shows, and stays at e4m3's few percent
+    assert torch.allclose(grads[True][1], grads[False][1]) and torch.allclose(grads[True][2], grads[False][2])
+
+
+@pytest.mark.parametrize("fp8_backward", [False, True])
+@pytest.mark.parametrize("scheme", ["dynamic", "block"])
+def test_compiles_to_the_eager_function(scheme, fp8_backward):
+    """torch.compile traces the layer in one graph (quantization in torch ops, LoRA added out of place) and
+    computes what eager mode computes; aot_eager runs the traced graphs without code generation."""
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+
+    g = torch.Generator().manual_seed(7)
+    w_q, w_s = quantize_weight(torch.randn(256, 384, generator=g) * 0.05, SCHEMES[scheme], torch.float32)
+    layer = FP8LoRALinear(w_q, w_s, scheme, rank=8, dtype=torch.float32, backend="reference",
+                          fp8_backward=fp8_backward)
+    with torch.no_grad():
+        layer.lora_B.normal_(generator=g)
+    x = torch.randn(3, 5, 384, generator=g)
+    results = []
+    for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
+        xx = x.clone().requires_grad_()
+        layer.zero_grad()
+        y = fn(xx)
+        (y * y).sum().backward()
+        results.append((y.detach(), xx.grad, layer.lora_A.grad.clone()))
+    for eager, compiled in zip(*results):
+        assert torch.allclose(eager, compiled, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_input_is_quantized_once_until_it_changes(monkeypatch):
+    """q/k/v read one tensor: one quantization serves all three; an in-place write or a new tensor redoes it."""
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+    from fp8kit.rl import fp8_linear
+
+    calls = []
+    real = fp8_linear._quantize_input
+    monkeypatch.setattr(fp8_linear, "_quantize_input", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("FP8KIT_FP8_BACKWARD", "1")
+    g = torch.Generator().manual_seed(8)
+    layers = [FP8LoRALinear(*quantize_weight(torch.randn(64, 128, generator=g), SCHEMES["dynamic"], torch.float32),
+                            "dynamic", rank=4, dtype=torch.float32, backend="reference") for _ in range(3)]
+    assert all(m.fp8_backward for m in layers)  # from the environment
+    x = torch.randn(2, 5, 128, generator=g)
+    first = [m(x) for m in layers]
+    assert len(calls) == 1
+    x.mul_(2)
+    second = [m(x) for m in layers]
+    assert len(calls) == 2
+    assert all(torch.allclose(b, m(x.clone())) for b, m in zip(second, layers))
+    assert not any(torch.allclose(a, b) for a, b in zip(first, second))

@@ -25,7 +25,8 @@ class LoRALinear(nn.Module):
         init_lora(self, rank, alpha, dropout, dtype, weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return add_lora(self, x, F.linear(x, self.weight, self.bias))
+        x2 = x.reshape(-1, self.in_features)
+        return add_lora(self, x2, F.linear(x2, self.weight, self.bias)).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, dtype={self.weight.dtype}, rank={self.rank}"
