@@ -303,7 +303,7 @@ def test_fp8_backward_is_the_fp8_product_of_the_quantized_gradient(scheme):
         expected = g_deq @ w
     else:
         expected = (gq.double() * gs.double()) @ w_q.double()
-    lora_part = (up2.double() * 1.0) @ (layer.lora_B.detach().double() @ layer.lora_A.detach().double()) * layer.scaling
+    lora_part = up2.double() @ (layer.lora_B.detach().double() @ layer.lora_A.detach().double()) * layer.scaling
     exact = up2.double() @ w + lora_part
     got = grads[True][0].reshape(15, 384)
     assert (got - (expected + lora_part)).norm() / got.norm() < 1e-6
@@ -358,3 +358,15 @@ def test_shared_input_is_quantized_once_until_it_changes(monkeypatch):
     assert len(calls) == 2
     assert all(torch.allclose(b, m(x.clone())) for b, m in zip(second, layers))
     assert not any(torch.allclose(a, b) for a, b in zip(first, second))
+
+
+def test_unreadable_fp8_backward_setting_is_refused(monkeypatch):
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+    from fp8kit.errors import Fp8kitError
+
+    w_q, w_s = quantize_weight(torch.randn(64, 128), SCHEMES["dynamic"], torch.float32)
+    monkeypatch.setenv("FP8KIT_FP8_BACKWARD", "maybe")
+    with pytest.raises(Fp8kitError, match="FP8KIT_FP8_BACKWARD='maybe'"):
+        FP8LoRALinear(w_q, w_s, "dynamic", rank=4, dtype=torch.float32, backend="reference")
+    monkeypatch.setenv("FP8KIT_FP8_BACKWARD", "0")
+    assert not FP8LoRALinear(w_q, w_s, "dynamic", rank=4, dtype=torch.float32, backend="reference").fp8_backward

@@ -279,6 +279,19 @@ def add_lora(module: nn.Module, x2: torch.Tensor, y2: torch.Tensor) -> torch.Ten
     return y2.addmm_(module.lora_dropout(x2) @ module.lora_A.t(), module.lora_B.t(), alpha=module.scaling)
 
 
+def _fp8_backward_from_env() -> bool:
+    """FP8KIT_FP8_BACKWARD=1 turns fp8_backward on for every layer built without the argument (load_fp8_model,
+    load_model)."""
+    value = os.environ.get("FP8KIT_FP8_BACKWARD", "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    from fp8kit.errors import Fp8kitError
+
+    raise Fp8kitError(f"FP8KIT_FP8_BACKWARD={value!r}: expected 1 (FP8 input gradient) or 0 (exact), or unset it")
+
+
 class FP8LoRALinear(nn.Module):
     """y = fp8(x) @ fp8(W).T + b + dropout(x) @ A.T @ B.T * alpha / r, with W frozen in FP8.
 
@@ -301,9 +314,7 @@ class FP8LoRALinear(nn.Module):
         if backend is not None:
             pick_backend(weight.device, backend)  # an unknown name or a missing package fails here, not later
         self.backend = backend
-        # None: FP8KIT_FP8_BACKWARD=1 turns it on for every layer (load_fp8_model, load_model)
-        self.fp8_backward = (os.environ.get("FP8KIT_FP8_BACKWARD", "0").lower() in ("1", "true", "yes")
-                             if fp8_backward is None else bool(fp8_backward))
+        self.fp8_backward = _fp8_backward_from_env() if fp8_backward is None else bool(fp8_backward)
         init_lora(self, rank, alpha, dropout, dtype, weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

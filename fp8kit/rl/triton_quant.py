@@ -16,26 +16,25 @@ from fp8kit.rl.fp8_linear import FP8_MAX, GROUP, MIN_SCALE
 
 
 @triton.jit
-def _quantize_groups(x_ptr, c_ptr, q_ptr, s_ptr, stride_x, K, n_groups, GROUP_SIZE: tl.constexpr,
-                     BLOCK: tl.constexpr, HAS_COL: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr):
+def _quantize_rows(x_ptr, c_ptr, q_ptr, s_ptr, stride_x, K, BLOCK: tl.constexpr, HAS_COL: tl.constexpr,
+                   FMAX: tl.constexpr, SMIN: tl.constexpr):
     row = tl.program_id(0)
-    group = tl.program_id(1)
-    cols = group * GROUP_SIZE + tl.arange(0, BLOCK)
-    mask = (tl.arange(0, BLOCK) < GROUP_SIZE) & (cols < K)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_COL:
         x = x * tl.load(c_ptr + cols, mask=mask, other=0.0)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FMAX, SMIN)
     q = tl.clamp(tl.math.div_rn(x, scale), -FMAX, FMAX)
     tl.store(q_ptr + row * K + cols, q.to(tl.float8e4nv), mask=mask)
-    tl.store(s_ptr + row * n_groups + group, scale)
+    tl.store(s_ptr + row, scale)
 
 
 @triton.jit
 def _quantize_row_groups(x_ptr, q_ptr, s_ptr, stride_x, K, n_groups, GROUP_SIZE: tl.constexpr,
                          GROUPS: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr):
-    """GROUPS consecutive 1xGROUP_SIZE groups of one row per program: one program per group would launch
-    M * K/128 tiny programs (11.6 ms of an FP8 LoRA step's 82 on an H100, against 4 ms for per-token)."""
+    """GROUPS consecutive 1xGROUP_SIZE groups of one row per program: one program per group launched M * K/128
+    tiny programs (11.6 ms of an 83 ms FP8 LoRA step on an H100, evals/results/fp8_lora_h100_probe1.json)."""
     row = tl.program_id(0)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = g[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
@@ -49,25 +48,24 @@ def _quantize_row_groups(x_ptr, q_ptr, s_ptr, stride_x, K, n_groups, GROUP_SIZE:
 
 def quantize_activation_triton(x: torch.Tensor, scheme: str,
                                col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token ("dynamic") or per 1x128 group ("block") for a 2-D CUDA tensor, optionally of x * col_scale
-    (float32 [K]) for the input gradient of a per-channel weight."""
+    """Per token ("dynamic") or per 1x128 group ("block") for a 2-D CUDA tensor; per token optionally of
+    x * col_scale (float32 [K]), for the input gradient of a per-channel weight."""
     M, K = x.shape
-    group = K if scheme == "dynamic" else GROUP
-    n_groups = K // group
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
-    if scheme == "block" and col_scale is None:
-        groups = 8
-        _quantize_row_groups[(M, triton.cdiv(n_groups, groups))](x, q, s, x.stride(0), K, n_groups, GROUP_SIZE=group,
+    if scheme == "block":
+        if col_scale is not None:
+            raise ValueError("col_scale applies to per-token quantization only")
+        n_groups, groups = K // GROUP, 8
+        s = torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
+        _quantize_row_groups[(M, triton.cdiv(n_groups, groups))](x, q, s, x.stride(0), K, n_groups, GROUP_SIZE=GROUP,
                                                                  GROUPS=groups, FMAX=FP8_MAX, SMIN=MIN_SCALE)
         return q, s
-    col = col_scale if col_scale is not None else s  # any pointer; unread without HAS_COL
-    block = triton.next_power_of_2(group)
-    # a whole row per program: enough warps that a 16384-wide row stays in registers (4 warps spilled:
-    # 4.1 ms of quantization per FP8 LoRA step on an H100 against 2.8 ms for the same bytes in 1x128 groups)
-    _quantize_groups[(M, n_groups)](x, col, q, s, x.stride(0), K, n_groups, GROUP_SIZE=group, BLOCK=block,
-                                    HAS_COL=col_scale is not None, FMAX=FP8_MAX, SMIN=MIN_SCALE,
-                                    num_warps=min(16, max(4, block // 1024)))
+    s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(K)
+    # a whole row per program (up to 16384 values): more warps for wider rows
+    _quantize_rows[(M,)](x, s if col_scale is None else col_scale, q, s, x.stride(0), K, BLOCK=block,
+                         HAS_COL=col_scale is not None, FMAX=FP8_MAX, SMIN=MIN_SCALE,
+                         num_warps=min(16, max(4, block // 1024)))
     return q, s
 
 
@@ -81,8 +79,8 @@ def _transpose_bytes(x_ptr, y_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
 
 
 def transpose_fp8(w: torch.Tensor) -> torch.Tensor:
-    """w.t().contiguous() for a contiguous 2-D float8 tensor, as one tiled copy (torch's strided copy of 1-byte
-    elements is several times slower)."""
+    """w.t().contiguous() for a contiguous 2-D float8 tensor, as one tiled 64x64 copy (0.42 ms for the 25 weights of
+    the LoRA bench's step on an H200; torch's strided copy was not compared)."""
     R, C = w.shape
     out = torch.empty((C, R), dtype=w.dtype, device=w.device)
     _transpose_bytes[(triton.cdiv(R, 64), triton.cdiv(C, 64))](w.view(torch.uint8), out.view(torch.uint8), R, C,
