@@ -51,11 +51,14 @@ def _fail(message: str, code: int = 1):
               show_default=True, help="fp8 is the DeepSeek-V3 / Qwen3-*-FP8 layout (block and tensor only).")
 @click.option("--ignore", multiple=True, metavar="REGEX",
               help="Keep modules whose name matches REGEX in source precision (repeatable; a 're:' prefix is accepted).")
+@click.option("--lm-head", is_flag=True,
+              help="Quantize lm_head too (compressed-tensors; untied lm_head only): faster vLLM decoding on large "
+                   "vocabularies, less accurate logits.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--max-shard-size", default="5GB", show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def fp8_convert(src, out, scheme, fmt, calibration, ignore, device, max_shard_size, overwrite, as_json):
+def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, device, max_shard_size, overwrite, as_json):
     """Convert the safetensors checkpoint SRC (a directory or a Hub id org/name[@revision]) into FP8 at OUT."""
     from fp8kit.converter import convert
 
@@ -66,7 +69,7 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, device, max_shard_si
             warnings.simplefilter("ignore")
             report = convert(src, out, scheme=scheme, format=fmt, ignore=list(ignore), device=device,
                              max_shard_size=max_shard_size, overwrite=overwrite, progress=sys.stderr.isatty(),
-                             calibration=calibration)
+                             calibration=calibration, lm_head=lm_head)
     except Fp8kitError as e:
         _fail(str(e))
     except KeyboardInterrupt:

@@ -153,6 +153,17 @@ def test_bad_options(llama_dir, tmp_path):
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--format", "fp8"), out, "--format fp8")
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--ignore", "("), out, "--ignore")
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--max-shard-size", "lots"), out, "lots")
+    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "block", "--format", "fp8", "--lm-head"), out, "--lm-head")
+    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--lm-head", "--ignore", "head"), out,
+                         "--lm-head", "--ignore")
+
+
+def test_lm_head_block_needs_whole_blocks(tmp_path):
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1, vocab_size=500)
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "block", "--lm-head"), out, "lm_head.weight", "[500, 256]")
+    code, err = run_cli(src, out, "--scheme", "dynamic", "--lm-head")
+    assert code == 0, err
 
 
 def cli_process(*args, preexec_fn=None):

@@ -7,6 +7,7 @@ import torch
 from safetensors import safe_open
 
 from fp8kit import convert
+from fp8kit.errors import Fp8kitError
 from fp8kit.models import build_checkpoint
 from fp8kit.quality import load_causal_lm, logit_drift, weight_error
 
@@ -130,3 +131,31 @@ def test_sharded_source_and_extra_files(tmp_path):
     assert (out / "chat_template.jinja").exists() and (out / "generation_config.json").exists()
     assert not (out / "pytorch_model.bin").exists()
     assert drift(src, out)["kl"] < KL_BOUND
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+def test_lm_head_in_fp8(llama_dir, tmp_path, scheme):
+    report = convert(llama_dir, tmp_path / "out", scheme=scheme, lm_head=True)
+    names = tensors(tmp_path / "out")
+    assert names["lm_head.weight"] == "F8_E4M3" and names["lm_head.weight_scale"] == "BF16"
+    assert names["model.embed_tokens.weight"] == "BF16"
+    assert "lm_head" in report.quantized and "lm_head" not in report.ignored
+    q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert q["ignore"] == [] and q["config_groups"]["group_0"]["targets"] == ["Linear", "lm_head"]
+    # transformers' compressed-tensors loader reads the config and quantizes lm_head too: its logits move away
+    # from those of the same conversion with lm_head kept, and stay close to the source's.
+    kept = convert(llama_dir, tmp_path / "kept", scheme=scheme).out
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model = load_causal_lm(tmp_path / "out")
+        with_head, without = model(input_ids=ids).logits, load_causal_lm(kept)(input_ids=ids).logits
+    assert (with_head - without).abs().max() > 1e-3
+    assert drift(llama_dir, tmp_path / "out")["kl"] < KL_BOUND
+
+
+def test_lm_head_needs_an_untied_head(tmp_path):
+    src = build_checkpoint(tmp_path / "src", "qwen3", torch.bfloat16, seed=3)  # tie_word_embeddings=True
+    assert "lm_head.weight" not in tensors(src)
+    with pytest.raises(Fp8kitError, match="no lm_head.weight"):
+        convert(src, tmp_path / "out", scheme="dynamic", lm_head=True)
+    assert not (tmp_path / "out").exists()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8kit import convert
 from fp8kit.errors import Fp8kitError
 from fp8kit.models import add_tokenizer, build_checkpoint
 from fp8kit.rl.grpo import GRPOConfig, learning_rate_at, train
@@ -221,6 +222,10 @@ def test_bad_input(tiny_fp8, tmp_path):
         VLLMRollout(tiny_fp8, lora_rank=4)
     with pytest.raises(Fp8kitError, match="need torch.bfloat16 or torch.float16"):
         VLLMRollout(tiny_fp8, dtype=torch.float32)
+    head = convert(build_checkpoint(tmp_path / "untied", "llama", torch.bfloat16, seed=1), tmp_path / "head",
+                   scheme="dynamic", lm_head=True).out
+    with pytest.raises(Fp8kitError, match="lm_head is FP8"):  # also before vLLM is imported
+        VLLMRollout(head)
     frozen, tok = load_model(str(tiny_fp8), lora_rank=0, device="cpu")
     with pytest.raises(Fp8kitError, match="no trainable LoRA"):
         train(frozen, tok, ["the"], [lambda prompts, completions, **_: [0.0] * 2], config)

@@ -370,3 +370,14 @@ def test_unreadable_fp8_backward_setting_is_refused(monkeypatch):
         FP8LoRALinear(w_q, w_s, "dynamic", rank=4, dtype=torch.float32, backend="reference")
     monkeypatch.setenv("FP8KIT_FP8_BACKWARD", "0")
     assert not FP8LoRALinear(w_q, w_s, "dynamic", rank=4, dtype=torch.float32, backend="reference").fp8_backward
+
+
+def test_fp8_lm_head_loads_as_fp8_and_matches_transformers(llama_dir, tmp_path):
+    out = convert(llama_dir, tmp_path / "out", scheme="dynamic", lm_head=True).out
+    with quiet(), torch.no_grad():
+        theirs = load_causal_lm(out, torch.float32)(input_ids=IDS).logits
+        model = load_fp8_model(out, dtype=torch.float32, lora_rank=8)
+        ours = model(input_ids=IDS).logits
+    assert isinstance(model.lm_head, FP8LoRALinear) and model.lm_head.weight.dtype == torch.float8_e4m3fn
+    assert not any("lm_head" in n for n, p in model.named_parameters() if p.requires_grad)  # no LoRA on it
+    assert (ours - theirs).abs().max() <= LOGIT_ATOL

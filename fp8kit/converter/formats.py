@@ -21,14 +21,17 @@ def _args(strategy: str, dynamic: bool, group_size=None, block=None, observer=No
             "scale_dtype": None, "strategy": strategy, "symmetric": True, "type": "float", "zp_dtype": None}
 
 
-def ignore_list(kept: list[str]) -> list[str]:
-    """llm-compressor's recipes always name lm_head (tied or not); every other Linear left in source
-    precision must be named too, or loaders would look for its scales."""
-    return sorted(set(kept) | {"lm_head"}, key=natural_key)
+def ignore_list(kept: list[str], lm_head: bool = False) -> list[str]:
+    """llm-compressor's recipes always name lm_head (tied or not) unless it is quantized; every other Linear
+    left in source precision must be named too, or loaders would look for its scales."""
+    return sorted(set(kept) | (set() if lm_head else {"lm_head"}), key=natural_key)
 
 
-def quantization_config(scheme: Scheme, fmt: str, kept: list[str]) -> dict:
-    ignore = ignore_list(kept)
+def quantization_config(scheme: Scheme, fmt: str, kept: list[str], lm_head: bool = False) -> dict:
+    """`lm_head=True`: lm_head is quantized too. vLLM matches its ParallelLMHead by name only ("Linear" is a
+    class-name target, and ParallelLMHead is not one), so the name joins the targets (vLLM 0.25
+    compressed_tensors.py get_quant_method; its Fp8Config has no lm_head path, hence compressed-tensors only)."""
+    ignore = ignore_list(kept, lm_head)
     if fmt == "fp8":
         config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                   "ignored_layers": ignore, "modules_to_not_convert": ignore}
@@ -39,7 +42,7 @@ def quantization_config(scheme: Scheme, fmt: str, kept: list[str]) -> dict:
         "format": "float-quantized",
         "input_activations": _args(scheme.activation_strategy, True, group_size=scheme.activation_group_size),
         "output_activations": None,
-        "targets": ["Linear"],
+        "targets": ["Linear", "lm_head"] if lm_head else ["Linear"],
         "weights": _args(scheme.weight_strategy, False, block=scheme.block, observer="memoryless_minmax"),
     }
     return {"config_groups": {"group_0": group}, "format": "float-quantized", "global_compression_ratio": None,

@@ -22,6 +22,7 @@ addresses (device_allocator/cumem.py maps each handle at its recorded address), 
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -116,6 +117,11 @@ class VLLMRollout:
         if lora_rank and lora_rank not in LORA_RANKS:
             raise Fp8kitError(f"lora_rank={lora_rank}: vLLM serves LoRA ranks {', '.join(map(str, LORA_RANKS))}; "
                               f"pick one of them (or fast_inference=False)")
+        config_file = Path(path) / "config.json"
+        qc = (json.loads(config_file.read_text()).get("quantization_config") or {}) if config_file.exists() else {}
+        if any("lm_head" in g.get("targets", ()) for g in qc.get("config_groups", {}).values()):
+            raise Fp8kitError(f"{path}: lm_head is FP8 (converted with --lm-head); the trainer shares vLLM's lm_head "
+                              f"in source precision only: convert without --lm-head for GRPO")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model must live in this process
         from vllm import LLM
 
