@@ -52,8 +52,8 @@ def _fail(message: str, code: int = 1):
 @click.option("--ignore", multiple=True, metavar="REGEX",
               help="Keep modules whose name matches REGEX in source precision (repeatable; a 're:' prefix is accepted).")
 @click.option("--lm-head", is_flag=True,
-              help="Quantize lm_head too (compressed-tensors; untied lm_head only): faster vLLM decoding on large "
-                   "vocabularies, less accurate logits.")
+              help="Quantize lm_head too (compressed-tensors; untied lm_head only): less weight memory in vLLM on "
+                   "large vocabularies, less accurate logits.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--max-shard-size", default="5GB", show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")

@@ -271,8 +271,8 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
             max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False,
             calibration: str | os.PathLike | None = None, lm_head: bool = False) -> ConvertReport:
     """Convert a BF16/FP16/FP32 safetensors checkpoint (directory or Hub id) into an FP8 checkpoint at OUT.
-    `lm_head=True` quantizes lm_head too (compressed-tensors; faster vLLM decoding on large vocabularies, at
-    some cost in logit accuracy)."""
+    `lm_head=True` quantizes lm_head too (compressed-tensors; less weight memory in vLLM, at some cost in logit
+    accuracy)."""
     start = time.perf_counter()
     if lm_head and (format != "compressed-tensors" or scheme == "tensor-static"):
         raise Fp8kitError("--lm-head is written in the compressed-tensors format with --scheme dynamic, block or "
