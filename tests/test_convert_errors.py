@@ -122,6 +122,10 @@ def test_unsupported_dtype(src, tmp_path):
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "out"
     assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "model.layers.0.self_attn.o_proj.weight", "F64")
+    tensors["model.layers.0.self_attn.o_proj.weight"] = tensors["model.layers.0.self_attn.o_proj.weight"].bfloat16()
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].double()  # kept as is without --lm-head
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic", "--lm-head"), out, "'lm_head.weight'", "F64")
 
 
 def test_fused_3d_experts_refused(tmp_path):
@@ -154,6 +158,7 @@ def test_bad_options(llama_dir, tmp_path):
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--ignore", "("), out, "--ignore")
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--max-shard-size", "lots"), out, "lots")
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "block", "--format", "fp8", "--lm-head"), out, "--lm-head")
+    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "tensor-static", "--lm-head"), out, "--lm-head")
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--lm-head", "--ignore", "head"), out,
                          "--lm-head", "--ignore")
 

@@ -64,14 +64,18 @@ def _sibling_group(module: str) -> tuple[str, int] | None:
     return None
 
 
+def _check_source_dtype(info: TensorInfo) -> None:
+    if info.dtype not in SOURCE_DTYPES:
+        raise Fp8kitError(f"{info.path}: tensor {info.name!r} has dtype {info.dtype}; fp8-convert reads F32, F16 "
+                          f"and BF16 weights: save the checkpoint in one of those")
+
+
 def _lm_head(tensors: dict[str, TensorInfo], scheme: Scheme) -> str:
     info = tensors.get("lm_head.weight")
     if info is None:
         raise Fp8kitError("--lm-head: the checkpoint has no lm_head.weight (its lm_head is tied to embed_tokens, "
                           "or named otherwise); an FP8 lm_head needs an untied one: leave --lm-head out")
-    if info.dtype not in SOURCE_DTYPES:
-        raise Fp8kitError(f"{info.path}: tensor 'lm_head.weight' has dtype {info.dtype}; fp8-convert reads F32, "
-                          f"F16 and BF16 weights")
+    _check_source_dtype(info)
     if len(info.shape) != 2 or not scheme.supports(info.shape):
         raise Fp8kitError(f"{info.path}: lm_head.weight {list(info.shape)} cannot take {scheme.name} FP8 (block "
                           f"needs both dimensions to be multiples of 128): leave --lm-head out or use dynamic")
@@ -97,9 +101,7 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
             if not any("embed" in p for p in module.split(".")) and module.split(".")[-1] not in ("wte", "wpe"):
                 sel.keep.append(module)
             continue
-        if info.dtype not in SOURCE_DTYPES:
-            raise Fp8kitError(f"{info.path}: tensor {name!r} has dtype {info.dtype}; fp8-convert reads F32, F16 "
-                              f"and BF16 weights: save the checkpoint in one of those")
+        _check_source_dtype(info)
         if any(p.search(module) for p in patterns):
             wanted[module], reason[module] = False, "--ignore"
         elif not scheme.supports(info.shape):
