@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -27,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from evals.process_group import run_in_group  # noqa: E402
 
 SHAPES = {
     "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -40,20 +41,31 @@ LORA_RANK = 32
 KV_CACHE_BYTES = 2 << 30
 
 
+def device_memory() -> tuple[int, int]:
+    """(device-wide used bytes, torch's reserved bytes)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return total - free, torch.cuda.memory_reserved()
+
+
 class PeakMemory:
-    """Device-wide used memory (total - free, as nvidia-smi sees it), sampled on a thread."""
+    """Device-wide used memory (total - free, as nvidia-smi sees it) and torch's reserved memory, sampled on a
+    thread, with the peaks kept per phase ("generation", "training", or "other" around them): the difference
+    between the two is memory outside torch's allocator (CUDA context, kernel images, vLLM's KV cache pool)."""
 
     def __init__(self, interval: float = 0.002):
-        import torch
-
         self.peak, self.interval, self._stop = 0, interval, threading.Event()
-        self._torch = torch
+        self.phase, self.phases = "other", {}
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         while not self._stop.is_set():
-            free, total = self._torch.cuda.mem_get_info()
-            self.peak = max(self.peak, total - free)
+            used, reserved = device_memory()
+            self.peak = max(self.peak, used)
+            seen = self.phases.setdefault(self.phase, {"device_used_peak": 0, "torch_reserved_peak": 0})
+            seen["device_used_peak"] = max(seen["device_used_peak"], used)
+            seen["torch_reserved_peak"] = max(seen["torch_reserved_peak"], reserved)
             time.sleep(self.interval)
 
     def __enter__(self):
@@ -63,6 +75,42 @@ class PeakMemory:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
+
+
+class PhaseRollout:
+    """The runtime's rollout engine, telling PeakMemory which phase of a GRPO step is running: generation from
+    generate() until it returns, training from sleep() (KV cache released) until wake()."""
+
+    def __init__(self, engine, peak: PeakMemory):
+        self.engine, self.peak, self.name, self.asleep_memory = engine, peak, engine.name, None
+
+    def generate(self, *args, **kwargs):
+        self.peak.phase = "generation"
+        try:
+            return self.engine.generate(*args, **kwargs)
+        finally:
+            self.peak.phase = "other"
+
+    def sleep(self):
+        self.engine.sleep()
+        if self.asleep_memory is None:
+            self.asleep_memory = memory_snapshot()
+        self.peak.phase = "training"
+
+    def wake(self):
+        self.peak.phase = "other"
+        self.engine.wake()
+
+    def sync_lora(self, model):
+        self.engine.sync_lora(model)
+
+
+def memory_snapshot() -> dict:
+    import torch
+
+    torch.cuda.synchronize()
+    used, reserved = device_memory()
+    return {"device_used": used, "torch_reserved": reserved, "torch_allocated": torch.cuda.memory_allocated()}
 
 
 def build(workdir: Path, shape: str) -> Path:
@@ -129,12 +177,15 @@ def run_variant(args) -> dict:
     from fp8kit.rl.vllm_engine import storage_pointers
 
     checkpoint = Path(args.checkpoint)
+    torch.zeros(1, device="cuda")  # the CUDA context, before anything is loaded
+    snapshots = {"context_only": memory_snapshot()}
     t0 = time.perf_counter()
     model, tokenizer = load_model(checkpoint, load_in_fp8=args.variant != "bf16", dtype=torch.bfloat16,
                                   max_seq_length=WORKLOAD["prompt_tokens"] + WORKLOAD["max_completion_length"] + 8,
                                   lora_rank=LORA_RANK, gpu_memory_utilization=0.5,
                                   vllm_kwargs=engine_memory(args.variant))
     load_s = time.perf_counter() - t0
+    snapshots["loaded"] = memory_snapshot()
     engine = model.rollout_engine
     assert engine.name == "vllm", engine.name
     vllm_ptrs = storage_pointers(engine.vllm_model)
@@ -154,8 +205,10 @@ def run_variant(args) -> dict:
                         gradient_accumulation_steps=16, seed=0)
     history = []
     with PeakMemory() as peak:
-        train(model, TokenPrompts(tokenizer, table), list(table), [low_token_reward(vocab)], config,
+        phased = PhaseRollout(engine, peak)
+        train(model, TokenPrompts(tokenizer, table), list(table), [low_token_reward(vocab)], config, rollout=phased,
               on_step=lambda m: (history.append(m), print(json.dumps(m), flush=True)))
+    snapshots["first_sleep"] = phased.asleep_memory
     adapter = Path(args.workdir) / f"adapter-{args.variant}"
     shutil.rmtree(adapter, ignore_errors=True)
     adapter.mkdir(parents=True)
@@ -169,6 +222,7 @@ def run_variant(args) -> dict:
                     "trainer_lora_bytes": lora_bytes,
                     "trainer_allocated_bytes": engine.trainer_allocated_bytes},
         "peak_device_memory_bytes": peak.peak,
+        "memory_by_phase": peak.phases, "memory_snapshots": snapshots,
         "peak_torch_allocated_bytes": max(h["peak_gpu_memory_bytes"] for h in history),
         "rollout_tokens_per_s": sorted(h["rollout_tokens_per_s"] for h in steady)[len(steady) // 2],
         "generation_s": sum(h["generation_s"] for h in steady), "training_s": sum(h["training_s"] for h in steady),
@@ -207,9 +261,11 @@ def run_standalone(args) -> dict:
 
 def subprocess_json(argv: list[str], env: dict) -> dict:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, env=env, timeout=560)
-    log = proc.stdout + proc.stderr
-    if proc.returncode != 0 or "@@RESULT@@" not in log:
+    returncode, stdout, stderr = run_in_group([sys.executable, __file__, *argv], env, timeout=560)
+    log = stdout + stderr
+    if returncode is None:
+        return {"error": "did not finish within 560 s", "tail": log[-3000:], "wall_s": time.perf_counter() - t0}
+    if returncode != 0 or "@@RESULT@@" not in log:
         return {"error": [line for line in log.splitlines() if "Error" in line or "error" in line][-5:],
                 "tail": log[-3000:], "wall_s": time.perf_counter() - t0}
     result = json.loads(log.split("@@RESULT@@")[1])

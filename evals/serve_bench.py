@@ -16,15 +16,15 @@ import json
 import os
 import platform
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from evals.process_group import run_in_group  # noqa: E402
 
 MODELS = {
     "qwen3-8b": ("Qwen3Config", "Qwen3ForCausalLM",
@@ -79,18 +79,12 @@ def run_engine(path: Path, workload: str, quantization: str | None, engine_env: 
     if quantization:
         cmd += ["--quantization", quantization]
     t0 = time.perf_counter()
-    # its own process group: on a timeout vLLM's EngineCore child must go too, or it keeps the GPU memory
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+    returncode, stdout, stderr = run_in_group(cmd, env, TIMEOUT)
+    if returncode is None:
         return {"error": f"engine did not finish within {TIMEOUT} s", "engine_env": engine_env,
                 "tail": stderr[-2000:]}
     log = stdout + stderr
-    if proc.returncode != 0:
+    if returncode != 0:
         return {"error": [l for l in log.splitlines() if "Error" in l][-3:], "wall_s": time.perf_counter() - t0}
     result = json.loads(log.split("@@RESULT@@")[1])
     weights = re.findall(r"Model loading took ([\d.]+) GiB", log)

@@ -19,6 +19,7 @@ _COMMON = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_
 ARCHS: dict[str, tuple[str, str, dict]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_COMMON, head_dim=64, tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, tie_word_embeddings=False)),  # biased q/k/v
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, tie_word_embeddings=False)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_COMMON, head_dim=64, sliding_window=64)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",

@@ -30,3 +30,8 @@ def test_vllm_shares_the_trainers_weights(tmp_path, variant):
     assert weights["trainer_allocated_bytes"] < 2 * weights["trainer_lora_bytes"] + (8 << 20)
     assert len(run["reward_curve"]) == 3
     assert all(0.0 <= k < 0.05 for k in run["mismatch_kl"]), run["mismatch_kl"]
+    # memory is attributed to each phase of a step, and releasing the KV cache for training shows in it
+    phases, snaps = run["memory_by_phase"], run["memory_snapshots"]
+    assert {"generation", "training"} <= phases.keys()
+    assert snaps["context_only"]["device_used"] < snaps["loaded"]["device_used"]
+    assert snaps["first_sleep"]["device_used"] < phases["generation"]["device_used_peak"]

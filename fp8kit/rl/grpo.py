@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from fp8kit.errors import Fp8kitError
+from fp8kit.rl import logprobs
 from fp8kit.rl.grpo_loss import LOSS_TYPES, group_advantages, mismatch_kl, policy_loss, truncated_importance_weights
 from fp8kit.rl.loader import adapters_disabled, load_adapter, lora_modules, write_adapter
-from fp8kit.rl.rollout import Completion, HFRollout, sampled_logprobs
+from fp8kit.rl.rollout import Completion, HFRollout
 
 SCHEDULES = ("constant", "linear", "cosine")
 STATE_FILE = "trainer_state.json"
@@ -114,10 +115,8 @@ def _batch(prompt_ids: list[list[int]], completions: list[Completion], n: int, p
 
 def completion_logprobs(model: nn.Module, batch: dict, rows: slice, temperature: float) -> torch.Tensor:
     """The trainer's log-probabilities of the completion tokens under logits / temperature, [rows, T]."""
-    length = batch["completion_ids"].shape[1]
-    logits = model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
-                   position_ids=batch["position_ids"][rows], logits_to_keep=length + 1).logits[:, :-1]
-    return sampled_logprobs(logits, batch["completion_ids"][rows], temperature)
+    return logprobs.completion_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows],
+                                        batch["position_ids"][rows], batch["completion_ids"][rows], temperature)
 
 
 def _rewards(reward_funcs, weights, prompts, completions_text, completion_ids, extra) -> tuple[torch.Tensor, dict]:

@@ -1,0 +1,113 @@
+"""Completion-token log-probabilities without the [rows, tokens, vocabulary] logits tensor.
+
+GRPO needs one log-probability per completion token, yet the model's own forward computes logits for every
+position and vocabulary entry at once, and the log-softmax's backward keeps float32 copies of them: with
+Qwen3's 151,936-entry vocabulary that is gigabytes per micro-batch, more than everything else the LoRA
+training of a small model needs (evals/results/logprob_memory.json). Here the decoder runs once and the
+output head over chunks of positions, so at most one chunk of logits exists at a time. For the usual frozen
+nn.Linear head the gradient with respect to the hidden states is formed chunk by chunk in the forward, as
+Liger-Kernel's fused linear cross-entropy does (d logp / d logits = onehot - softmax, times one GEMM with the
+head weight), so nothing is recomputed; any other head (an FP8 one) is checkpointed per chunk and recomputed
+in backward. Both are exact: the same operations, split along positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+# logits per chunk: 2**24 float32 values are 64 MiB (110 positions of Qwen3's vocabulary, 524 of Llama 2's)
+CHUNK_LOGITS = 1 << 24
+# model types whose ForCausalLM forward is lm_head(decoder(...).last_hidden_state), Gemma's optional final
+# softcapping aside (transformers 5.17 modeling_*.py); each is checked against the full forward in
+# tests/test_logprobs.py. Others run the model's own forward.
+HEAD_ON_HIDDEN = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"}
+
+
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T)[token] in float32, without materializing the full log-softmax twice."""
+    logits = logits.float() / temperature
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+class _FusedHeadLogprobs(torch.autograd.Function):
+    """log softmax(softcap(hidden @ W.T + b) / T)[tokens] for [N, H] hidden; backward from the [N, H] gradient
+    the forward stored (W frozen: no weight gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, temperature, softcap, chunk, need_grad):
+        out = torch.empty(tokens.shape, dtype=torch.float32, device=hidden.device)
+        grad = torch.empty_like(hidden) if need_grad else None
+        for start in range(0, tokens.numel(), chunk):
+            rows = slice(start, start + chunk)
+            z = F.linear(hidden[rows], weight, bias).float()
+            if softcap is not None:  # as Gemma3ForCausalLM applies config.final_logit_softcapping
+                z.div_(softcap).tanh_()
+                dcap = 1 - z.square() if need_grad else None  # d softcap(x) / dx = 1 - tanh(x / c)^2
+                z.mul_(softcap)
+            z.div_(temperature)
+            lse = torch.logsumexp(z, dim=-1)
+            token = tokens[rows].unsqueeze(-1)
+            out[rows] = z.gather(-1, token).squeeze(-1) - lse
+            if need_grad:  # d logp / d logits = (onehot - softmax) / T, then the softcap's derivative
+                coef = z.sub_(lse.unsqueeze(-1)).exp_().neg_()
+                coef.scatter_add_(-1, token, torch.ones_like(token, dtype=coef.dtype)).div_(temperature)
+                if softcap is not None:
+                    coef.mul_(dcap)
+                grad[rows] = coef.to(weight.dtype) @ weight
+        if need_grad:
+            ctx.save_for_backward(grad)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_out.unsqueeze(-1).to(grad.dtype), None, None, None, None, None, None, None
+
+
+def _head_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: nn.Module, temperature: float,
+                   softcap: float | None) -> torch.Tensor:
+    logits = head(hidden)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return sampled_logprobs(logits, tokens, temperature)
+
+
+def head_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: nn.Module, temperature: float = 1.0,
+                  softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
+    """log softmax(head(hidden) / temperature)[tokens] in float32: hidden [..., H], tokens [...] -> [...],
+    `chunk` positions at a time (default: CHUNK_LOGITS logits)."""
+    flat_hidden, flat_tokens = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
+    vocab = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
+    chunk = chunk or max(1, CHUNK_LOGITS // vocab)
+    if flat_tokens.numel() == 0:
+        return torch.zeros(tokens.shape, dtype=torch.float32, device=hidden.device)
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    frozen = type(head) is nn.Linear and not any(p.requires_grad for p in head.parameters())
+    if frozen:
+        return _FusedHeadLogprobs.apply(flat_hidden, head.weight, head.bias, flat_tokens, temperature, softcap,
+                                        chunk, need_grad).reshape(tokens.shape)
+    pieces = []
+    for start in range(0, flat_tokens.numel(), chunk):
+        args = (flat_hidden[start: start + chunk], flat_tokens[start: start + chunk], head, temperature, softcap)
+        pieces.append(checkpoint(_head_logprobs, *args, use_reentrant=False) if need_grad else _head_logprobs(*args))
+    return torch.cat(pieces).reshape(tokens.shape)
+
+
+def completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        position_ids: torch.Tensor, completion_ids: torch.Tensor, temperature: float,
+                        chunk: int | None = None) -> torch.Tensor:
+    """The log-probabilities [rows, T] of completion_ids, the last T tokens of input_ids, under
+    softmax(logits / temperature)."""
+    length = completion_ids.shape[1]
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    text = model.config.get_text_config()
+    if model.config.model_type in HEAD_ON_HIDDEN:
+        hidden = model.model(**inputs).last_hidden_state[:, -(length + 1): -1]
+        return head_logprobs(hidden, completion_ids, model.lm_head, temperature,
+                             getattr(text, "final_logit_softcapping", None), chunk)
+    logits = model(**inputs, logits_to_keep=length + 1).logits[:, :-1]
+    return sampled_logprobs(logits, completion_ids, temperature)
