@@ -18,6 +18,9 @@ def run_in_group(cmd: list[str], env: dict | None = None, timeout: float | None 
         stdout, stderr = proc.communicate(timeout=timeout)
         return proc.returncode, stdout, stderr
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the whole group exited between the timeout and the kill
+            pass
         stdout, stderr = proc.communicate()
         return None, stdout, stderr

@@ -55,7 +55,7 @@ def _value_and_grads(fn, model):
     ("llama", True, {}),
     ("qwen3", True, {}),  # tied embeddings: lm_head is embed_tokens
     ("mistral", False, {}),
-    ("gemma3", True, {"final_logit_softcapping": 30.0}),
+    ("gemma3", True, {"final_logit_softcapping": 1.0}),  # small enough to bend these logits (|logit| < 2)
     ("qwen2", True, {}),
     ("llama", True, {"lm_head": True}),  # an FP8 head: chunks checkpointed and recomputed instead of fused
 ])
@@ -77,7 +77,7 @@ def test_chunked_equals_the_model_forward(tmp_path, arch, fp8, overrides):
 
 
 def test_without_autograd_the_same_values(tmp_path):
-    model = _model(tmp_path, "gemma3", True, final_logit_softcapping=30.0)
+    model = _model(tmp_path, "gemma3", True, final_logit_softcapping=1.0)
     ids, mask, positions, completion = _inputs()
     with_grad = logprobs.completion_logprobs(model, ids, mask, positions, completion, 0.8, chunk=4)
     with torch.no_grad():
@@ -133,8 +133,9 @@ def _saved_shapes(fn):
     return out, shapes
 
 
-def test_no_full_logits_kept_for_backward(tmp_path):
-    model = _model(tmp_path, "llama", True)
+@pytest.mark.parametrize("fp8_head", [False, True])  # fused gradient, or checkpointed and recomputed chunks
+def test_no_full_logits_kept_for_backward(tmp_path, monkeypatch, fp8_head):
+    model = _model(tmp_path, "llama", True, lm_head=fp8_head)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ids, mask, positions, completion = _inputs(rows=4, prompt=4, completion=40)
@@ -144,26 +145,51 @@ def test_no_full_logits_kept_for_backward(tmp_path):
 
     full, shapes = _saved_shapes(lambda: _full(model, ids, mask, positions, completion, 1.0))
     assert vocab_wide(shapes) >= completion.numel() * VOCAB  # the plain path keeps [rows, T, vocab] for backward
+
+    head_rows = []  # positions per head GEMM: through the module (FP8 head) or F.linear (fused)
+    model.lm_head.register_forward_hook(lambda m, args, out: head_rows.append(out.reshape(-1, VOCAB).shape[0]))
+    linear = logprobs.F.linear
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(torch.nn.functional, name)
+
+        @staticmethod
+        def linear(*args):
+            out = linear(*args)
+            head_rows.append(out.shape[0])
+            return out
+
+    monkeypatch.setattr(logprobs, "F", Recording())
     ours, shapes = _saved_shapes(lambda: logprobs.completion_logprobs(model, ids, mask, positions, completion, 1.0,
                                                                       chunk=16))
-    assert shapes and vocab_wide(shapes) <= 16 * VOCAB  # at most one chunk of logits; backward recomputes them
+    assert vocab_wide(shapes) <= 16 * VOCAB  # at most one chunk of logits kept
+    assert head_rows and max(head_rows) <= 16 and sum(head_rows) >= completion.numel()  # computed chunk by chunk
     ours.sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 def test_rollout_logprobs_match_a_teacher_forced_forward(tmp_path):
     """transformers' generate reports each sampled token's log-probability under logits / T (kept one step at a
-    time): a forward over prompt + completion gives the same, up to KV-cache accumulation order."""
+    time): a forward over prompt + completion gives the same, up to KV-cache accumulation order, also for rows
+    that stop early at EOS and whatever the checkpoint's own generation_config says."""
+    from transformers import GenerationConfig
+
     from fp8kit.rl.rollout import HFRollout
 
     model = _model(tmp_path, "qwen3", True)
+    model.generation_config = GenerationConfig(repetition_penalty=3.0, min_p=0.5, suppress_tokens=[7, 8, 9])
 
     class Tok:
         pad_token_id, eos_token_id = 0, 1
 
     prompts = [[5, 6, 7, 8], [9, 10]]
+    first = HFRollout(model, Tok()).generate(prompts, n=3, max_tokens=9, temperature=0.7, seed=3)
+    assert model.generation_config.repetition_penalty == 3.0  # the checkpoint's config is back
+    Tok.eos_token_id = first[0].token_ids[2]  # the same seed again: row 0 now stops at its third token
     completions = HFRollout(model, Tok()).generate(prompts, n=3, max_tokens=9, temperature=0.7, seed=3)
-    assert len(completions) == 6
+    assert len(completions) == 6 and len(completions[0].token_ids) == 3
+    assert max(len(c.token_ids) for c in completions) > 3
     for i, c in enumerate(completions):
         assert 1 <= len(c.token_ids) == len(c.logprobs) <= 9
         ids = torch.tensor([prompts[i // 3] + c.token_ids])

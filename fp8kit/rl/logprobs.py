@@ -8,7 +8,8 @@ output head over chunks of positions, so at most one chunk of logits exists at a
 nn.Linear head the gradient with respect to the hidden states is formed chunk by chunk in the forward, as
 Liger-Kernel's fused linear cross-entropy does (d logp / d logits = onehot - softmax, times one GEMM with the
 head weight), so nothing is recomputed; any other head (an FP8 one) is checkpointed per chunk and recomputed
-in backward. Both are exact: the same operations, split along positions.
+in backward. The log-probabilities are the same operations split along positions (bitwise equal to the full
+forward in float32 on the CPU); in bf16 the hidden-state gradient rounds at a different point than autograd's.
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         grad = torch.empty_like(hidden) if need_grad else None
         for start in range(0, tokens.numel(), chunk):
             rows = slice(start, start + chunk)
-            z = F.linear(hidden[rows], weight, bias).float()
-            if softcap is not None:  # as Gemma3ForCausalLM applies config.final_logit_softcapping
-                z.div_(softcap).tanh_()
-                dcap = 1 - z.square() if need_grad else None  # d softcap(x) / dx = 1 - tanh(x / c)^2
-                z.mul_(softcap)
-            z.div_(temperature)
+            logits = F.linear(hidden[rows], weight, bias)
+            if softcap is not None:  # in the model's dtype, as Gemma3ForCausalLM and vLLM apply it
+                t = torch.tanh(logits / softcap)
+                dcap = 1 - t.float().square() if need_grad else None  # d softcap(x) / dx = 1 - tanh(x / c)^2
+                logits = t * softcap
+            z = logits.float().div_(temperature)  # float32 (a copy unless it is already)
             lse = torch.logsumexp(z, dim=-1)
             token = tokens[rows].unsqueeze(-1)
             out[rows] = z.gather(-1, token).squeeze(-1) - lse
@@ -65,7 +66,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (grad,) = ctx.saved_tensors
-        return grad * grad_out.unsqueeze(-1).to(grad.dtype), None, None, None, None, None, None, None
+        return (grad.float() * grad_out.unsqueeze(-1)).to(grad.dtype), None, None, None, None, None, None, None
 
 
 def _head_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: nn.Module, temperature: float,

@@ -21,8 +21,9 @@ class _SampledTokenLogprobs:
     """A logits processor that keeps only the sampled tokens' log-probabilities: generate's output_logits would
     hold [rows, steps, vocabulary] float32 logits (10 GB for 16 x 1,024 tokens of Qwen3's vocabulary), this holds
     one step's. Custom processors run before generate's temperature and top-p warpers (transformers'
-    _get_logits_processor), so `scores` are the raw logits that output_logits would have kept; each step's
-    distribution is read at the next call, once the token sampled from it is the last of input_ids."""
+    _get_logits_processor), and HFRollout.generate configures no other processor, so `scores` are the raw
+    logits that output_logits would have kept; each step's distribution is read at the next call, once the
+    token sampled from it is the last of input_ids."""
 
     def __init__(self, temperature: float):
         self.temperature, self.last, self.values = temperature, None, []
@@ -64,17 +65,20 @@ class HFRollout:
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         torch.manual_seed(seed)
-        was_training = self.model.training
+        config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                                  max_new_tokens=max_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id)
+        recorder = _SampledTokenLogprobs(temperature)
+        was_training, saved = self.model.training, self.model.generation_config
+        # generate fills what `config` leaves unset from model.generation_config (transformers 5.17
+        # _prepare_generation_config): the checkpoint's repetition penalty, min_p or suppressed tokens would change
+        # the logits the recorder sees and the distribution sampled from, so a default one stands in meanwhile
+        self.model.generation_config = GenerationConfig()
         self.model.eval()
         try:
-            # a fresh config: the checkpoint's generation_config (repetition penalty, min_p, ...) would change the
-            # sampling distribution away from the one whose log-probabilities are reported
-            config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                                      max_new_tokens=max_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id)
-            recorder = _SampledTokenLogprobs(temperature)
             sequences = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                             generation_config=config, logits_processor=LogitsProcessorList([recorder]))
         finally:
+            self.model.generation_config = saved
             self.model.train(was_training)
         new = sequences[:, width:]
         recorder.take(new[:, -1])
