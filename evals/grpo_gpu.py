@@ -55,18 +55,21 @@ class PeakMemory:
     between the two is memory outside torch's allocator (CUDA context, kernel images, vLLM's KV cache pool)."""
 
     def __init__(self, interval: float = 0.002):
-        self.peak, self.interval, self._stop = 0, interval, threading.Event()
+        self.interval, self._stop = interval, threading.Event()
         self.phase, self.phases = "other", {}
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         while not self._stop.is_set():
             used, reserved = device_memory()
-            self.peak = max(self.peak, used)
             seen = self.phases.setdefault(self.phase, {"device_used_peak": 0, "torch_reserved_peak": 0})
             seen["device_used_peak"] = max(seen["device_used_peak"], used)
             seen["torch_reserved_peak"] = max(seen["torch_reserved_peak"], reserved)
             time.sleep(self.interval)
+
+    @property
+    def peak(self) -> int:
+        return max((p["device_used_peak"] for p in self.phases.values()), default=0)
 
     def __enter__(self):
         self._thread.start()

@@ -60,7 +60,7 @@ def engine(path: str, workload: str, quantization: str | None, repeats: int = 1)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(n_in)]} for _ in range(n)]
     params = SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True, temperature=0.0, detokenize=False)
     # warm-up: the whole workload once. After a 16-prompt warm-up the first full pass ran 10-14% slower than
-    # the next ones (H100, every variant; evals/results/serve_h100_lm_head.json, first call).
+    # the next ones (H100, every variant; evals/results/serve_h100_steady.json, calls[0]).
     llm.generate(prompts, params, use_tqdm=False)
     rates = []
     for _ in range(repeats):  # one pass of the short workload takes ~4 s: the median of a few is steadier

@@ -105,10 +105,9 @@ def completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mas
     softmax(logits / temperature)."""
     length = completion_ids.shape[1]
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    text = model.config.get_text_config()
     if model.config.model_type in HEAD_ON_HIDDEN:
         hidden = model.model(**inputs).last_hidden_state[:, -(length + 1): -1]
-        return head_logprobs(hidden, completion_ids, model.lm_head, temperature,
-                             getattr(text, "final_logit_softcapping", None), chunk)
+        softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+        return head_logprobs(hidden, completion_ids, model.lm_head, temperature, softcap, chunk)
     logits = model(**inputs, logits_to_keep=length + 1).logits[:, :-1]
     return sampled_logprobs(logits, completion_ids, temperature)
