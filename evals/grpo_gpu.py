@@ -1,15 +1,17 @@
 """FP8 against BF16 GRPO on one GPU, vLLM rollouts sharing the trainer's weights, plus a standalone vLLM engine.
 
-For each variant (BF16 original, per-channel FP8 made by fp8-convert) a fresh process runs `load_model` with
-vLLM in the process and GRPO for --steps steps on a ~1B random-weight Llama (TinyLlama-1.1B's shape), then a
-second fresh process serves the same checkpoint and adapter with a standalone vLLM engine on the same
-prompts and sampling settings. Recorded: one copy of the weights (every base tensor of the trainer is a view
-of vLLM's storage; allocated bytes against weight bytes), rollout tokens/s inside the runtime and
-standalone, time in generation and training, peak GPU memory (sampled device-wide every 2 ms), the reward
-curve and the rollout/trainer mismatch KL. The reward is the share of completion tokens drawn from the
+For each variant (BF16 original, per-channel FP8 made by fp8-convert) a fresh process runs `load_model` with vLLM
+in the process and GRPO for --steps steps on a random-weight Llama (--shape: TinyLlama-1.1B's, the issue's ~1B, or
+Llama-3.1-8B's), then a second fresh process serves the same checkpoint and adapter with a standalone vLLM engine
+on the same prompts and sampling settings. Building and converting run in a child as well: this process never
+holds GPU memory that the device-wide peaks would count. Recorded: one copy of the weights (every base tensor of
+the trainer is a view of vLLM's storage; allocated bytes against weight bytes), rollout tokens/s inside the
+runtime and standalone, time in generation and training, peak GPU memory (sampled device-wide every 2 ms), the
+reward curve and the rollout/trainer mismatch KL. The reward is the share of completion tokens drawn from the
 lowest 1/32 of the vocabulary: a random model starts near 0.03 and LoRA can raise it.
 
     python evals/grpo_gpu.py --variants fp8,bf16 --steps 8 --out evals/results/grpo_gpu.json
+    python evals/grpo_gpu.py --shape llama-8b --variants fp8,bf16 --steps 2 --skip-standalone
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ SHAPES = {
     "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                            num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
                            tie_word_embeddings=False),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=2048,
+                     tie_word_embeddings=False),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=4096, max_position_embeddings=1024, tie_word_embeddings=False),
 }
@@ -136,6 +141,22 @@ def build(workdir: Path, shape: str) -> Path:
     return src
 
 
+def prepare(args) -> dict:
+    import torch
+
+    from fp8kit import convert
+
+    workdir = Path(args.workdir)
+    src = build(workdir, args.shape)
+    result = {"gpu": torch.cuda.get_device_name(0), "bf16": str(src)}
+    if args.checkpoint == "fp8":
+        fp8 = workdir / f"{args.shape}-fp8-dynamic"
+        if not (fp8 / "config.json").exists():
+            convert(src, fp8, scheme="dynamic", device="cuda")
+        result["fp8"] = str(fp8)
+    return result
+
+
 def prompts_for(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
     import random
 
@@ -189,6 +210,8 @@ def run_variant(args) -> dict:
                                   vllm_kwargs=engine_memory(args.variant))
     load_s = time.perf_counter() - t0
     snapshots["loaded"] = memory_snapshot()
+    torch.cuda.empty_cache()  # what of "loaded" is torch's cache left over from vLLM's profiling run
+    snapshots["loaded_cache_emptied"] = memory_snapshot()
     engine = model.rollout_engine
     assert engine.name == "vllm", engine.name
     vllm_ptrs = storage_pointers(engine.vllm_model)
@@ -262,12 +285,12 @@ def run_standalone(args) -> dict:
     return {"rollout_tokens_per_s": sorted(steady)[len(steady) // 2], "per_step": rates}
 
 
-def subprocess_json(argv: list[str], env: dict) -> dict:
+def subprocess_json(argv: list[str], env: dict, timeout: float = 560) -> dict:
     t0 = time.perf_counter()
-    returncode, stdout, stderr = run_in_group([sys.executable, __file__, *argv], env, timeout=560)
+    returncode, stdout, stderr = run_in_group([sys.executable, __file__, *argv], env, timeout=timeout)
     log = stdout + stderr
     if returncode is None:
-        return {"error": "did not finish within 560 s", "tail": log[-3000:], "wall_s": time.perf_counter() - t0}
+        return {"error": f"did not finish within {timeout:.0f} s", "tail": log[-3000:], "wall_s": time.perf_counter() - t0}
     if returncode != 0 or "@@RESULT@@" not in log:
         return {"error": [line for line in log.splitlines() if "Error" in line or "error" in line][-5:],
                 "tail": log[-3000:], "wall_s": time.perf_counter() - t0}
@@ -284,49 +307,52 @@ def main():
     ap.add_argument("--workdir", default="/tmp/grpo-gpu")
     ap.add_argument("--out", default=str(ROOT / "evals/results/grpo_gpu.json"))
     ap.add_argument("--skip-standalone", action="store_true")
+    ap.add_argument("--child-timeout", type=float, default=560, help="seconds for each child process")
     ap.add_argument("--standalone-only", action="store_true", help="add the standalone engine to earlier runs")
     ap.add_argument("--variant")  # internal: one runtime run
     ap.add_argument("--checkpoint")
     ap.add_argument("--standalone", action="store_true")  # internal
+    ap.add_argument("--prepare", action="store_true")  # internal: build (and convert) the checkpoints
     ap.add_argument("--adapter")
     args = ap.parse_args()
     if args.variant:
-        result = run_standalone(args) if args.standalone else run_variant(args)
+        result = (prepare(args) if args.prepare else run_standalone(args) if args.standalone
+                  else run_variant(args))
         print("@@RESULT@@" + json.dumps(result) + "@@RESULT@@", flush=True)
         return
 
-    import torch
-    import vllm
+    from importlib.metadata import version
 
-    from fp8kit import convert
-
+    # this process never touches the GPU: the device-wide peaks measured in the children must not include a
+    # CUDA context of ours, so building and converting run in a child too
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    src = build(workdir, args.shape)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    fp8_wanted = any(v.startswith("fp8") for v in args.variants.split(","))
+    prepared = subprocess_json(["--prepare", "--variant", "prepare", "--shape", args.shape, "--workdir", str(workdir)]
+                               + (["--checkpoint", "fp8"] if fp8_wanted else []), env, args.child_timeout)
+    if "error" in prepared:
+        raise SystemExit(f"building the {args.shape} checkpoints failed: {prepared}")
+    src = Path(prepared["bf16"])
     out = Path(args.out)
     report = json.loads(out.read_text()) if out.exists() else {}
-    report.update({"gpu": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
-                   "python": platform.python_version(), "model": {"shape": args.shape, **SHAPES[args.shape]},
-                   "workload": {**WORKLOAD, "steps": args.steps, "lora_rank": LORA_RANK,
-                                "kv_cache_bytes": KV_CACHE_BYTES}})
+    report.update({"gpu": prepared["gpu"], "vllm": version("vllm"), "torch": version("torch"),
+                   "python": platform.python_version(),
+                   "workload": {**WORKLOAD, "lora_rank": LORA_RANK, "kv_cache_bytes": KV_CACHE_BYTES}})
+    report.setdefault("models", {})[args.shape] = SHAPES[args.shape]
     report.setdefault("commands", []).append("python evals/grpo_gpu.py " + " ".join(sys.argv[1:]))
     runs = report.setdefault("runs", {})
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     for variant in args.variants.split(","):
-        checkpoint = src
-        if variant.startswith("fp8"):
-            checkpoint = workdir / f"{args.shape}-fp8-dynamic"
-            if not (checkpoint / "config.json").exists():
-                convert(src, checkpoint, scheme="dynamic", device="cuda")
+        checkpoint = Path(prepared["fp8"]) if variant.startswith("fp8") else src
         if args.standalone_only:
             run = runs[f"{args.shape}/{variant}"]
         else:
             run = subprocess_json(["--variant", variant, "--checkpoint", str(checkpoint), "--steps", str(args.steps),
-                                   "--workdir", str(workdir)], env)
+                                   "--workdir", str(workdir)], env, args.child_timeout)
         if "adapter" in run and not args.skip_standalone:
             run["standalone"] = subprocess_json(["--variant", variant, "--standalone", "--checkpoint", str(checkpoint),
                                                  "--adapter", run["adapter"], "--steps", str(args.steps),
-                                                 "--workdir", str(workdir)], env)
+                                                 "--workdir", str(workdir)], env, args.child_timeout)
             if "rollout_tokens_per_s" in run["standalone"]:
                 run["rollout_vs_standalone_vllm"] = run["rollout_tokens_per_s"] / run["standalone"]["rollout_tokens_per_s"]
         runs[f"{args.shape}/{variant}"] = run
@@ -334,16 +360,19 @@ def main():
         out.write_text(json.dumps(report, indent=2) + "\n")
     fp8, bf16 = runs.get(f"{args.shape}/fp8", {}), runs.get(f"{args.shape}/bf16", {})
     kv8 = runs.get(f"{args.shape}/fp8-kv8", {})
+    summary = {}
     if "peak_device_memory_bytes" in kv8 and "peak_device_memory_bytes" in bf16:
-        report["peak_memory_ratio_fp8_kv8_vs_bf16"] = kv8["peak_device_memory_bytes"] / bf16["peak_device_memory_bytes"]
+        summary["peak_memory_ratio_fp8_kv8_vs_bf16"] = kv8["peak_device_memory_bytes"] / bf16["peak_device_memory_bytes"]
     if "peak_device_memory_bytes" in fp8 and "peak_device_memory_bytes" in bf16:
-        report["peak_memory_ratio_fp8_vs_bf16"] = fp8["peak_device_memory_bytes"] / bf16["peak_device_memory_bytes"]
-        report["peak_torch_allocated_ratio_fp8_vs_bf16"] = (fp8["peak_torch_allocated_bytes"]
-                                                            / bf16["peak_torch_allocated_bytes"])
+        summary["peak_memory_ratio_fp8_vs_bf16"] = fp8["peak_device_memory_bytes"] / bf16["peak_device_memory_bytes"]
+        summary["peak_torch_allocated_ratio_fp8_vs_bf16"] = (fp8["peak_torch_allocated_bytes"]
+                                                             / bf16["peak_torch_allocated_bytes"])
     if "rollout_vs_standalone_vllm" in fp8:
-        report["rollout_vs_standalone_vllm"] = fp8["rollout_vs_standalone_vllm"]
+        summary["rollout_vs_standalone_vllm"] = fp8["rollout_vs_standalone_vllm"]
+    report.setdefault("summary", {})[args.shape] = summary
+    if args.shape == "tinyllama-1.1b":  # the issue's ~1B model: its ratios are the headline keys
+        report.update(summary)
     out.write_text(json.dumps(report, indent=2) + "\n")
-
 
 if __name__ == "__main__":
     main()
