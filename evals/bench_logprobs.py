@@ -83,8 +83,9 @@ def run_variant(args) -> dict:
     temperature = 0.9
 
     def step():
-        if args.variant == "chunked":
-            return logprobs.completion_logprobs(model, ids, mask, positions, completion, temperature)
+        if args.variant.startswith("chunked"):
+            return logprobs.completion_logprobs(model, ids, mask, positions, completion, temperature,
+                                                chunk=args.chunk)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
                        logits_to_keep=args.completion + 1).logits[:, :-1]
         if args.variant == "trl":
@@ -150,7 +151,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default="/tmp/bench-logprobs")
     ap.add_argument("--out", default=str(ROOT / "evals/results/logprob_memory.json"))
+    ap.add_argument("--chunk-sizes", default="",
+                    help="also run the chunked variant with these positions per chunk (comma-separated)")
     ap.add_argument("--variant")  # internal: one variant in this process
+    ap.add_argument("--chunk", type=int)  # internal: positions per chunk (default: logprobs.CHUNK_LOGITS' share)
     ap.add_argument("--checkpoint")
     ap.add_argument("--values")
     args = ap.parse_args()
@@ -166,11 +170,14 @@ def main():
     workdir.mkdir(parents=True, exist_ok=True)
     checkpoint = build(workdir, args.layers)
     results, values = {}, {}
-    for variant in VARIANTS:
+    extra_chunks = [int(c) for c in args.chunk_sizes.split(",") if c]
+    for variant in VARIANTS + tuple(f"chunked-{c}" for c in extra_chunks):
         values_file = workdir / f"values-{variant}.safetensors"
         cmd = [sys.executable, __file__, "--variant", variant, "--checkpoint", str(checkpoint), "--values",
                str(values_file), *(f"--{k}={getattr(args, k)}" for k in ("device", "rows", "prompt", "completion",
                                                                           "repeats"))]
+        if variant.startswith("chunked-"):
+            cmd.append(f"--chunk={variant.split('-')[1]}")
         runs = {}
         # On the CPU, memory and time come from two processes. glibc keeps freed blocks below its (growing) mmap
         # threshold for reuse, which hides a later step's peak from the resident set: for memory, a fixed 64 KiB
@@ -203,8 +210,10 @@ def main():
         "memory_ratio_chunked_vs_trl": ours["peak_bytes_above_start"] / anchor["peak_bytes_above_start"],
         "memory_ratio_chunked_vs_full": ours["peak_bytes_above_start"] / results["full"]["peak_bytes_above_start"],
         "time_ratio_chunked_vs_trl": ours["seconds"] / anchor["seconds"],
+        "ratios_vs_trl": {v: {"memory": r["peak_bytes_above_start"] / anchor["peak_bytes_above_start"],
+                              "time": r["seconds"] / anchor["seconds"]} for v, r in results.items() if v != "trl"},
         "max_abs_logprob_difference": {f"{v}_vs_trl": float((values[v] - values["trl"]).abs().max())
-                                       for v in ("full", "chunked")},
+                                       for v in values if v != "trl"},
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k not in ("results", "model", "machine", "versions")}))
