@@ -374,5 +374,6 @@ def main():
         report.update(summary)
     out.write_text(json.dumps(report, indent=2) + "\n")
 
+
 if __name__ == "__main__":
     main()
