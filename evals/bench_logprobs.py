@@ -124,20 +124,13 @@ def run_variant(args) -> dict:
 
 
 def build(workdir: Path, layers: int) -> Path:
-    import torch
-    import transformers
-
     from fp8kit import convert
+    from fp8kit.models import build_checkpoint
 
     out = workdir / f"qwen3-0.6b-{layers}l-fp8"
-    if (out / "config.json").exists():
-        return out
-    src = workdir / f"qwen3-0.6b-{layers}l"
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3_06B, num_hidden_layers=layers))
-    model.to(torch.bfloat16).save_pretrained(src)
-    del model
-    convert(src, out, scheme="dynamic")
+    if not (out / "config.json").exists():
+        src = build_checkpoint(workdir / f"qwen3-0.6b-{layers}l", "qwen3", **QWEN3_06B, num_hidden_layers=layers)
+        convert(src, out, scheme="dynamic")
     return out
 
 

@@ -69,20 +69,12 @@ def inductor_codes_differing(hidden: int) -> dict:
 
 
 def build(workdir: Path, shape: str) -> Path:
-    import torch
-    import transformers
-
     from fp8kit import convert
+    from fp8kit.models import build_checkpoint
 
     out = workdir / f"{shape}-fp8-dynamic"
-    if (out / "config.json").exists():
-        return out
-    src = workdir / f"{shape}-bf16"
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2))
-    model.to(torch.bfloat16).save_pretrained(src)
-    del model
-    convert(src, out, scheme="dynamic")
+    if not (out / "config.json").exists():
+        convert(build_checkpoint(workdir / f"{shape}-bf16", "llama", **SHAPES[shape]), out, scheme="dynamic")
     return out
 
 
