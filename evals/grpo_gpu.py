@@ -10,8 +10,9 @@ runtime and standalone, time in generation and training, peak GPU memory (sample
 reward curve and the rollout/trainer mismatch KL. The reward is the share of completion tokens drawn from the
 lowest 1/32 of the vocabulary: a random model starts near 0.03 and LoRA can raise it.
 
-Variants: bf16, fp8, fp8-kv8 (FP8 KV cache of the same token capacity), fp8-casts (vLLM's Inductor keeping the
-BF16 rounding before FP8 activation quantization; see engine_kwargs).
+Variants: bf16, fp8, fp8-kv8 (FP8 KV cache of the same token capacity), fp8-nocasts (vLLM's default Inductor
+settings, which drop the BF16 rounding before FP8 activation quantization that the runtime keeps; see
+engine_kwargs).
 
     python evals/grpo_gpu.py --variants fp8,bf16 --steps 8 --out evals/results/grpo_gpu.json
     python evals/grpo_gpu.py --shape llama-8b --variants fp8,bf16 --steps 2 --skip-standalone
@@ -190,15 +191,15 @@ class TokenPrompts:
 
 def engine_kwargs(variant: str) -> dict:
     """vLLM settings per variant. The same KV-cache token capacity for every variant: an FP8 KV cache needs half
-    the bytes. `fp8-casts` keeps the BF16 rounding that Inductor otherwise drops between vLLM's native RMSNorm
-    (or SiLU-and-mul) and its FP8 activation quantization, so that vLLM quantizes what the trainer quantizes
-    (evals/mismatch_sources.py: dropping it changes about 2-3% of the FP8 codes and accounts for a mismatch
-    KL of 0.018 on the TinyLlama shape)."""
+    the bytes. `fp8-nocasts` compiles with vLLM's default settings (`compilation_config={}`), where Inductor drops
+    the BF16 rounding between vLLM's native RMSNorm (or SiLU-and-mul) and its FP8 activation quantization, which
+    the runtime keeps for FP8 checkpoints (fp8kit.rl.vllm_engine.KEEP_PRECISION_CASTS; evals/mismatch_sources.py:
+    dropping it changes about 2-3% of the FP8 codes and accounts for a mismatch KL of 0.018 on the TinyLlama
+    shape)."""
     if variant == "fp8-kv8":
         return {"kv_cache_memory_bytes": KV_CACHE_BYTES // 2, "kv_cache_dtype": "fp8"}
-    if variant == "fp8-casts":
-        return {"kv_cache_memory_bytes": KV_CACHE_BYTES,
-                "compilation_config": {"inductor_compile_config": {"emulate_precision_casts": True}}}
+    if variant == "fp8-nocasts":
+        return {"kv_cache_memory_bytes": KV_CACHE_BYTES, "compilation_config": {}}
     return {"kv_cache_memory_bytes": KV_CACHE_BYTES}
 
 
@@ -274,10 +275,15 @@ def run_standalone(args) -> dict:
 
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(args.checkpoint).vocab_size
+    from fp8kit.rl.vllm_engine import rollout_engine_kwargs
+
+    config = AutoConfig.from_pretrained(args.checkpoint)
+    vocab = config.vocab_size
+    # the settings the runtime's engine gets for this checkpoint (the compile settings included)
+    kwargs = rollout_engine_kwargs(getattr(config, "quantization_config", None) or {}, engine_kwargs(args.variant))
     llm = LLM(args.checkpoint, dtype="bfloat16", enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1,
               max_model_len=WORKLOAD["prompt_tokens"] + WORKLOAD["max_completion_length"] + 8,
-              gpu_memory_utilization=0.5, seed=0, **engine_kwargs(args.variant))
+              gpu_memory_utilization=0.5, seed=0, **kwargs)
     lora = LoRARequest("adapter", 1, args.adapter)
     prompts = prompts_for(vocab, 256, WORKLOAD["prompt_tokens"])
     rates = []
@@ -307,6 +313,24 @@ def subprocess_json(argv: list[str], env: dict, timeout: float = 560) -> dict:
     result = json.loads(log.split("@@RESULT@@")[1])
     result["wall_s"] = time.perf_counter() - t0
     return result
+
+
+def summarize(runs: dict, shape: str) -> dict:
+    """The ratios the issue asks for, and the mean mismatch KL of every variant, for one model shape."""
+    fp8, bf16 = runs.get(f"{shape}/fp8", {}), runs.get(f"{shape}/bf16", {})
+    kv8 = runs.get(f"{shape}/fp8-kv8", {})
+    summary = {}
+    if "peak_device_memory_bytes" in kv8 and "peak_device_memory_bytes" in bf16:
+        summary["peak_memory_ratio_fp8_kv8_vs_bf16"] = kv8["peak_device_memory_bytes"] / bf16["peak_device_memory_bytes"]
+    if "peak_device_memory_bytes" in fp8 and "peak_device_memory_bytes" in bf16:
+        summary["peak_memory_ratio_fp8_vs_bf16"] = fp8["peak_device_memory_bytes"] / bf16["peak_device_memory_bytes"]
+        summary["peak_torch_allocated_ratio_fp8_vs_bf16"] = (fp8["peak_torch_allocated_bytes"]
+                                                             / bf16["peak_torch_allocated_bytes"])
+    if "rollout_vs_standalone_vllm" in fp8:
+        summary["rollout_vs_standalone_vllm"] = fp8["rollout_vs_standalone_vllm"]
+    summary["mismatch_kl_mean"] = {key.split("/", 1)[1]: sum(run["mismatch_kl"]) / len(run["mismatch_kl"])
+                                   for key, run in runs.items() if key.startswith(f"{shape}/") and run.get("mismatch_kl")}
+    return summary
 
 
 def main():
@@ -368,17 +392,7 @@ def main():
         runs[f"{args.shape}/{variant}"] = run
         print(variant, json.dumps({k: v for k, v in run.items() if k != "steps"})[:3000], flush=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
-    fp8, bf16 = runs.get(f"{args.shape}/fp8", {}), runs.get(f"{args.shape}/bf16", {})
-    kv8 = runs.get(f"{args.shape}/fp8-kv8", {})
-    summary = {}
-    if "peak_device_memory_bytes" in kv8 and "peak_device_memory_bytes" in bf16:
-        summary["peak_memory_ratio_fp8_kv8_vs_bf16"] = kv8["peak_device_memory_bytes"] / bf16["peak_device_memory_bytes"]
-    if "peak_device_memory_bytes" in fp8 and "peak_device_memory_bytes" in bf16:
-        summary["peak_memory_ratio_fp8_vs_bf16"] = fp8["peak_device_memory_bytes"] / bf16["peak_device_memory_bytes"]
-        summary["peak_torch_allocated_ratio_fp8_vs_bf16"] = (fp8["peak_torch_allocated_bytes"]
-                                                             / bf16["peak_torch_allocated_bytes"])
-    if "rollout_vs_standalone_vllm" in fp8:
-        summary["rollout_vs_standalone_vllm"] = fp8["rollout_vs_standalone_vllm"]
+    summary = summarize(runs, args.shape)
     report.setdefault("summary", {})[args.shape] = summary
     if args.shape == "tinyllama-1.1b":  # the issue's ~1B model: its ratios are the headline keys
         report.update(summary)

@@ -1,7 +1,8 @@
 """vLLM serving throughput of fp8-convert checkpoints against BF16 and vLLM's own online FP8, one GPU.
 
 Makes a random-weight Qwen3-8B-shaped model on the GPU, converts it with fp8-convert to each scheme (a
-"+lm-head" suffix, e.g. tensor+lm-head, converts with --lm-head), and
+"+lm-head" suffix, e.g. tensor+lm-head, converts with --lm-head; a "+kv-fp8" suffix, e.g. tensor+kv-fp8 or
+bf16+kv-fp8, serves the same checkpoint with vLLM's FP8 KV cache, kv_cache_dtype="fp8"), and
 serves each variant in its own vLLM engine (a subprocess): output tokens/s for a workload of random
 prompt ids with fixed output lengths (ignore_eos), engine start time, and the weight memory vLLM reports.
 Work and results persist in --workdir, so a run can be split over several calls (--variants).
@@ -43,7 +44,7 @@ ENGINE_ENV = {"VLLM_USE_DEEP_GEMM": "0", "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": 
 TIMEOUT = 560
 
 
-def engine(path: str, workload: str, quantization: str | None, repeats: int = 1) -> dict:
+def engine(path: str, workload: str, quantization: str | None, repeats: int = 1, kv_cache_dtype: str = "auto") -> dict:
     """Inside the subprocess: start the engine, run the workload once to warm up, then time it `repeats` times."""
     import random
 
@@ -54,7 +55,7 @@ def engine(path: str, workload: str, quantization: str | None, repeats: int = 1)
     custom_ops = os.environ.get("FP8KIT_BENCH_CUSTOM_OPS")
     extra = {"compilation_config": {"custom_ops": custom_ops.split(",")}} if custom_ops else {}
     llm = LLM(path, quantization=quantization, max_model_len=n_in + n_out + 16, gpu_memory_utilization=0.85,
-              skip_tokenizer_init=True, seed=0, max_num_seqs=256, **extra)
+              skip_tokenizer_init=True, seed=0, max_num_seqs=256, kv_cache_dtype=kv_cache_dtype, **extra)
     start_s = time.perf_counter() - t0
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(n_in)]} for _ in range(n)]
@@ -73,9 +74,11 @@ def engine(path: str, workload: str, quantization: str | None, repeats: int = 1)
             "engine_start_s": start_s}
 
 
-def run_engine(path: Path, workload: str, quantization: str | None, engine_env: dict, repeats: int = 1) -> dict:
+def run_engine(path: Path, workload: str, quantization: str | None, engine_env: dict, repeats: int = 1,
+               kv_cache_dtype: str = "auto") -> dict:
     env = {**os.environ, **engine_env}
-    cmd = [sys.executable, __file__, "--engine", str(path), "--workload", workload, "--repeats", str(repeats)]
+    cmd = [sys.executable, __file__, "--engine", str(path), "--workload", workload, "--repeats", str(repeats),
+           "--kv-cache-dtype", kv_cache_dtype]
     if quantization:
         cmd += ["--quantization", quantization]
     t0 = time.perf_counter()
@@ -90,6 +93,8 @@ def run_engine(path: Path, workload: str, quantization: str | None, engine_env: 
     weights = re.findall(r"Model loading took ([\d.]+) GiB", log)
     result["weight_gib"] = float(weights[-1]) if weights else None
     result["kernels"] = sorted(set(re.findall(r"Selected (\w+) for (\w+)", log)))
+    kv_tokens = re.findall(r"GPU KV cache size: ([\d,]+) tokens", log)
+    result["kv_cache_tokens"] = int(kv_tokens[-1].replace(",", "")) if kv_tokens else None
     result["wall_s"] = time.perf_counter() - t0
     return result
 
@@ -153,6 +158,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine")
     ap.add_argument("--quantization")
+    ap.add_argument("--kv-cache-dtype", default="auto")  # internal: set by a variant's +kv-fp8 suffix
     ap.add_argument("--workload", default="short")
     ap.add_argument("--model", default="qwen3-8b", choices=list(MODELS))
     ap.add_argument("--workloads", default="short")
@@ -170,7 +176,8 @@ def main():
     global TIMEOUT
     TIMEOUT = args.timeout
     if args.engine:
-        print("@@RESULT@@" + json.dumps(engine(args.engine, args.workload, args.quantization, args.repeats)) + "@@RESULT@@")
+        print("@@RESULT@@" + json.dumps(engine(args.engine, args.workload, args.quantization, args.repeats,
+                                                   args.kv_cache_dtype)) + "@@RESULT@@")
         return
 
     import torch
@@ -193,25 +200,30 @@ def main():
     report.setdefault("commands", []).append("python evals/serve_bench.py " + " ".join(sys.argv[1:]))
     results = report.setdefault("runs", {})
     for variant in args.variants.split(","):
-        if variant == "bf16":
+        base, *suffixes = variant.split("+")
+        if set(suffixes) - {"lm-head", "kv-fp8"}:
+            raise SystemExit(f"variant {variant!r}: the suffixes are +lm-head and +kv-fp8")
+        kv_cache_dtype = "fp8" if "kv-fp8" in suffixes else "auto"
+        lm_head = "lm-head" in suffixes
+        if lm_head and base in ("bf16", "vllm-online-fp8", "tensor-static-synthetic"):
+            raise SystemExit(f"variant {variant!r}: +lm-head applies to fp8-convert schemes only")
+        if base == "bf16":
             path, quantization = src, None
-        elif variant == "vllm-online-fp8":
+        elif base == "vllm-online-fp8":
             path, quantization = src, "fp8"
-        elif variant == "tensor-static-synthetic":
+        elif base == "tensor-static-synthetic":
             tensor_dir = workdir / f"{args.model}-tensor"
             if not (tensor_dir / "config.json").exists():
                 convert(src, tensor_dir, scheme="tensor", device="cuda")
-            path, quantization = with_static_scales(tensor_dir, workdir / f"{args.model}-{variant}"), None
+            path, quantization = with_static_scales(tensor_dir, workdir / f"{args.model}-{base}"), None
         else:
-            # "SCHEME+lm-head": fp8-convert --lm-head, lm_head in FP8 as well
-            scheme, plus, extra = variant.partition("+")
-            if plus and extra != "lm-head":
-                raise SystemExit(f"variant {variant!r}: the only suffix is +lm-head")
-            path, quantization = workdir / f"{args.model}-{variant}", None
+            # fp8-convert --scheme BASE (--lm-head: lm_head in FP8 as well)
+            name = base + ("+lm-head" if lm_head else "")
+            path, quantization = workdir / f"{args.model}-{name}", None
             if not (path / "config.json").exists():
                 t0 = time.perf_counter()
-                convert(src, path, scheme=scheme, device="cuda", lm_head=bool(plus))
-                results.setdefault(f"{args.model}/convert", {})[variant] = {"seconds": time.perf_counter() - t0}
+                convert(src, path, scheme=base, device="cuda", lm_head=lm_head)
+                results.setdefault(f"{args.model}/convert", {})[name] = {"seconds": time.perf_counter() - t0}
         if args.prepare:
             continue
         for workload in args.workloads.split(","):
@@ -220,7 +232,7 @@ def main():
             engine_env = {} if args.deep_gemm else dict(ENGINE_ENV)
             if args.custom_ops:
                 engine_env["FP8KIT_BENCH_CUSTOM_OPS"] = args.custom_ops
-            results[key] = run_engine(path, workload, quantization, engine_env, args.repeats)
+            results[key] = run_engine(path, workload, quantization, engine_env, args.repeats, kv_cache_dtype)
             print(key, results[key], flush=True)
             out.write_text(json.dumps(report, indent=2) + "\n")
     short = {k.rsplit("/", 1)[1]: v for k, v in results.items() if k.startswith(f"{args.model}/short/") and "tok_s" in v}

@@ -229,3 +229,18 @@ def test_bad_input(tiny_fp8, tmp_path):
     frozen, tok = load_model(str(tiny_fp8), lora_rank=0, device="cpu")
     with pytest.raises(Fp8kitError, match="no trainable LoRA"):
         train(frozen, tok, ["the"], [lambda prompts, completions, **_: [0.0] * 2], config)
+
+
+def test_rollout_engine_keeps_precision_casts_for_fp8_checkpoints(tmp_path, llama_dir):
+    """vLLM compiles FP8 checkpoints with the model-dtype rounding kept before activation quantization (the trainer
+    rounds there); BF16 checkpoints and a caller's own compilation_config are left alone."""
+    from fp8kit.rl.vllm_engine import KEEP_PRECISION_CASTS, rollout_engine_kwargs
+
+    fp8 = Path(convert(llama_dir, tmp_path / "fp8", scheme="dynamic").out)
+    qc = json.loads((fp8 / "config.json").read_text())["quantization_config"]
+    bf16_qc = json.loads((Path(llama_dir) / "config.json").read_text()).get("quantization_config") or {}
+    assert rollout_engine_kwargs(qc, {"kv_cache_memory_bytes": 1}) == {
+        "kv_cache_memory_bytes": 1, "compilation_config": KEEP_PRECISION_CASTS}
+    assert KEEP_PRECISION_CASTS["inductor_compile_config"]["emulate_precision_casts"] is True
+    assert rollout_engine_kwargs(bf16_qc, {"kv_cache_memory_bytes": 1}) == {"kv_cache_memory_bytes": 1}
+    assert rollout_engine_kwargs(qc, {"compilation_config": {}}) == {"compilation_config": {}}
