@@ -127,20 +127,15 @@ def memory_snapshot() -> dict:
 
 def build(workdir: Path, shape: str) -> Path:
     import torch
-    import transformers
+
+    from fp8kit.models import add_tokenizer, build_checkpoint
 
     src = workdir / f"{shape}-bf16"
     if (src / "config.json").exists():
         return src
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPES[shape], bos_token_id=1,
-                                                                       eos_token_id=2)).to(torch.bfloat16)
-    model.save_pretrained(src)
-    del model
+    build_checkpoint(src, "llama", torch.bfloat16, seed=0, device="cuda", **SHAPES[shape],
+                     bos_token_id=1, eos_token_id=2)
     torch.cuda.empty_cache()
-    from fp8kit.models import add_tokenizer
-
     add_tokenizer(src, (ROOT / "fp8kit/data/sample.txt").read_text() * 4, vocab_size=2048)
     return src
 
@@ -193,9 +188,9 @@ def engine_kwargs(variant: str) -> dict:
     """vLLM settings per variant. The same KV-cache token capacity for every variant: an FP8 KV cache needs half
     the bytes. `fp8-nocasts` compiles with vLLM's default settings (`compilation_config={}`), where Inductor drops
     the BF16 rounding between vLLM's native RMSNorm (or SiLU-and-mul) and its FP8 activation quantization, which
-    the runtime keeps for FP8 checkpoints (fp8kit.rl.vllm_engine.KEEP_PRECISION_CASTS; dropping it changes about 2-3% of the FP8 codes,
-    evals/mismatch_sources.py, and keeping it cut the mismatch KL from 0.0194 to 0.0145 on an H100,
-    results/grpo_gpu_h100_casts.json)."""
+    the runtime keeps for FP8 checkpoints (fp8kit.rl.vllm_engine.KEEP_PRECISION_CASTS). Dropping it changes
+    about 2-3% of the FP8 codes (evals/mismatch_sources.py); keeping it cut the mismatch KL from 0.0194 to 0.0145
+    on an H100 (results/grpo_gpu_h100_casts.json)."""
     if variant == "fp8-kv8":
         return {"kv_cache_memory_bytes": KV_CACHE_BYTES // 2, "kv_cache_dtype": "fp8"}
     if variant == "fp8-nocasts":

@@ -28,11 +28,11 @@ sys.path.insert(0, str(ROOT))
 from evals.process_group import run_in_group  # noqa: E402
 
 MODELS = {
-    "qwen3-8b": ("Qwen3Config", "Qwen3ForCausalLM",
+    "qwen3-8b": ("qwen3",
                  dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                       num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                       tie_word_embeddings=False, rope_theta=1000000.0)),
-    "llama-8b": ("LlamaConfig", "LlamaForCausalLM",
+    "llama-8b": ("llama",
                  dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
                       tie_word_embeddings=False)),
@@ -135,23 +135,29 @@ def with_static_scales(tensor_dir: Path, out: Path) -> Path:
 
 def build(workdir: Path, model: str) -> Path:
     import torch
-    import transformers
+
+    from fp8kit.models import add_tokenizer, build_checkpoint
 
     src = workdir / model
     if (src / "config.json").exists():
         return src
-    config_cls, model_cls, shape = MODELS[model]
-    config = getattr(transformers, config_cls)(**shape)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        m = getattr(transformers, model_cls)(config).to(torch.bfloat16)
-    m.save_pretrained(src, max_shard_size="5GB")
-    del m
-    from fp8kit.models import add_tokenizer  # tensor-static calibrates on text
-
-    add_tokenizer(src, (ROOT / "fp8kit/data/sample.txt").read_text() * 4, vocab_size=2048)
+    arch, shape = MODELS[model]
+    build_checkpoint(src, arch, torch.bfloat16, seed=0, device="cuda", **shape)
     torch.cuda.empty_cache()
+    # tensor-static calibrates on text
+    add_tokenizer(src, (ROOT / "fp8kit/data/sample.txt").read_text() * 4, vocab_size=2048)
     return src
+
+
+def parse_variant(variant: str) -> tuple[str, bool, str]:
+    """(base, lm_head, kv_cache_dtype) of a variant name such as tensor+lm-head+kv-fp8."""
+    base, *suffixes = variant.split("+")
+    if set(suffixes) - {"lm-head", "kv-fp8"}:
+        raise SystemExit(f"variant {variant!r}: the suffixes are +lm-head and +kv-fp8")
+    lm_head = "lm-head" in suffixes
+    if lm_head and base in ("bf16", "vllm-online-fp8", "tensor-static-synthetic"):
+        raise SystemExit(f"variant {variant!r}: +lm-head applies to fp8-convert schemes only")
+    return base, lm_head, "fp8" if "kv-fp8" in suffixes else "auto"
 
 
 def main():
@@ -180,6 +186,7 @@ def main():
                                                    args.kv_cache_dtype)) + "@@RESULT@@")
         return
 
+    variants = {v: parse_variant(v) for v in args.variants.split(",")}  # before an 8B model is built
     import torch
     import vllm
 
@@ -194,19 +201,12 @@ def main():
                    "python": platform.python_version(),
                    "workloads": {k: dict(zip(("prompts", "input_tokens", "output_tokens"), v)) for k, v in WORKLOADS.items()},
                    "engine_env": ENGINE_ENV})
-    report.setdefault("models", {})[args.model] = MODELS[args.model][2]
+    report.setdefault("models", {})[args.model] = MODELS[args.model][1]
     if args.model == "qwen3-8b" or "model" not in report:
-        report["model"] = {"name": args.model, **MODELS[args.model][2]}
+        report["model"] = {"name": args.model, **MODELS[args.model][1]}
     report.setdefault("commands", []).append("python evals/serve_bench.py " + " ".join(sys.argv[1:]))
     results = report.setdefault("runs", {})
-    for variant in args.variants.split(","):
-        base, *suffixes = variant.split("+")
-        if set(suffixes) - {"lm-head", "kv-fp8"}:
-            raise SystemExit(f"variant {variant!r}: the suffixes are +lm-head and +kv-fp8")
-        kv_cache_dtype = "fp8" if "kv-fp8" in suffixes else "auto"
-        lm_head = "lm-head" in suffixes
-        if lm_head and base in ("bf16", "vllm-online-fp8", "tensor-static-synthetic"):
-            raise SystemExit(f"variant {variant!r}: +lm-head applies to fp8-convert schemes only")
+    for variant, (base, lm_head, kv_cache_dtype) in variants.items():
         if base == "bf16":
             path, quantization = src, None
         elif base == "vllm-online-fp8":

@@ -29,14 +29,16 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
 
 
 def build_checkpoint(path: str | Path, arch: str = "llama", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                     max_shard_size: str = "5GB", **overrides) -> Path:
-    """Write a random-weight `arch` model (transformers' own init, seeded) as safetensors to `path`."""
+                     max_shard_size: str = "5GB", device: str = "cpu", **overrides) -> Path:
+    """Write a random-weight `arch` model (transformers' own init, seeded) as safetensors to `path`; the GPU
+    benchmarks initialize 8B shapes with device="cuda", which takes seconds instead of minutes."""
     import transformers
 
     config_cls, model_cls, defaults = ARCHS[arch]
     config = getattr(transformers, config_cls)(**{**defaults, **overrides})
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).to(dtype)
+    with torch.device(device):
+        model = getattr(transformers, model_cls)(config).to(dtype)
     path = Path(path)
     with contextlib.redirect_stderr(io.StringIO()):  # transformers' "Writing model shards" bar
         model.save_pretrained(path, max_shard_size=max_shard_size)
