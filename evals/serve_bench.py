@@ -4,7 +4,8 @@ Makes a random-weight Qwen3-8B-shaped model on the GPU, converts it with fp8-con
 "+lm-head" suffix, e.g. tensor+lm-head, converts with --lm-head; a "+kv-fp8" suffix, e.g. tensor+kv-fp8 or
 bf16+kv-fp8, serves the same checkpoint with vLLM's FP8 KV cache, kv_cache_dtype="fp8"), and
 serves each variant in its own vLLM engine (a subprocess): output tokens/s for a workload of random
-prompt ids with fixed output lengths (ignore_eos), engine start time, and the weight memory vLLM reports.
+prompt ids with fixed output lengths (ignore_eos), new prompts in every pass, the prompts' prefill time alone,
+engine start time, and the weight memory vLLM reports.
 Work and results persist in --workdir, so a run can be split over several calls (--variants).
 
     python evals/serve_bench.py --workdir /tmp/serve --variants bf16,dynamic --out serve.json
@@ -44,34 +45,49 @@ ENGINE_ENV = {"VLLM_USE_DEEP_GEMM": "0", "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": 
 TIMEOUT = 560
 
 
-def engine(path: str, workload: str, quantization: str | None, repeats: int = 1, kv_cache_dtype: str = "auto") -> dict:
-    """Inside the subprocess: start the engine, run the workload once to warm up, then time it `repeats` times."""
+def workload_prompts(workload: str, pass_index: int) -> list[dict]:
+    """Random prompt ids for one pass, different in every pass and the same for every variant.
+
+    Repeating one pass's prompts let vLLM's prefix cache (on by default) skip 112 of each prompt's 128 tokens in
+    every pass after the first, so the timed passes measured decode alone; a server sees new prompts."""
     import random
 
+    n, n_in, _ = WORKLOADS[workload]
+    rng = random.Random(pass_index)
+    return [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(n_in)]} for _ in range(n)]
+
+
+def engine(path: str, workload: str, quantization: str | None, repeats: int = 1, kv_cache_dtype: str = "auto") -> dict:
+    """Inside the subprocess: start the engine, run the workload once to warm up, then time it `repeats` times
+    on new prompts each time, and time the prompts' prefill alone (one output token) as often."""
     from vllm import LLM, SamplingParams
 
-    n, n_in, n_out = WORKLOADS[workload]
+    _, n_in, n_out = WORKLOADS[workload]
     t0 = time.perf_counter()
     custom_ops = os.environ.get("FP8KIT_BENCH_CUSTOM_OPS")
     extra = {"compilation_config": {"custom_ops": custom_ops.split(",")}} if custom_ops else {}
     llm = LLM(path, quantization=quantization, max_model_len=n_in + n_out + 16, gpu_memory_utilization=0.85,
               skip_tokenizer_init=True, seed=0, max_num_seqs=256, kv_cache_dtype=kv_cache_dtype, **extra)
     start_s = time.perf_counter() - t0
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(n_in)]} for _ in range(n)]
     params = SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True, temperature=0.0, detokenize=False)
     # warm-up: the whole workload once. After a 16-prompt warm-up the first full pass ran 10-14% slower than
     # the next ones (H100, every variant; evals/results/serve_h100_steady.json, calls[0]).
-    llm.generate(prompts, params, use_tqdm=False)
-    rates = []
-    for _ in range(repeats):  # one pass of the short workload takes ~4 s: the median of a few is steadier
+    llm.generate(workload_prompts(workload, 0), params, use_tqdm=False)
+
+    def timed(pass_index: int, sampling: SamplingParams) -> tuple[float, int]:
+        prompts = workload_prompts(workload, pass_index)
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        rates.append(tokens / seconds)
+        outs = llm.generate(prompts, sampling, use_tqdm=False)
+        return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    runs = [timed(1 + i, params) for i in range(repeats)]  # one short pass takes ~4 s: the median is steadier
+    rates = [tokens / seconds for seconds, tokens in runs]
+    one_token = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0, detokenize=False)
+    prefill = [timed(1 + repeats + i, one_token)[0] for i in range(repeats)]
+    seconds, tokens = runs[rates.index(statistics.median_low(rates))]
     return {"tok_s": statistics.median(rates), "tok_s_runs": rates, "seconds": seconds, "output_tokens": tokens,
-            "engine_start_s": start_s}
+            "prefill_s": statistics.median(prefill), "prefill_s_runs": prefill, "engine_start_s": start_s,
+            "prompts": "new random prompt ids every pass (no prefix-cache hits)"}
 
 
 def run_engine(path: Path, workload: str, quantization: str | None, engine_env: dict, repeats: int = 1,
@@ -131,6 +147,16 @@ def with_static_scales(tensor_dir: Path, out: Path) -> Path:
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tmp.rename(out)
     return out
+
+
+def pass_split(workload: str, result: dict) -> dict:
+    """Prefill seconds and the mean decode step of a pass: (pass time - prefill time) / (output tokens - 1).
+    An estimate: vLLM schedules decode steps into the prefill of the last prompts (chunked prefill)."""
+    if "prefill_s" not in result:  # results from before the prefill timing
+        return {}
+    n, _, n_out = WORKLOADS[workload]
+    pass_s = n * n_out / result["tok_s"]
+    return {"prefill_s": result["prefill_s"], "decode_step_ms": 1000 * (pass_s - result["prefill_s"]) / (n_out - 1)}
 
 
 def build(workdir: Path, model: str) -> Path:
@@ -235,12 +261,18 @@ def main():
             results[key] = run_engine(path, workload, quantization, engine_env, args.repeats, kv_cache_dtype)
             print(key, results[key], flush=True)
             out.write_text(json.dumps(report, indent=2) + "\n")
-    short = {k.rsplit("/", 1)[1]: v for k, v in results.items() if k.startswith(f"{args.model}/short/") and "tok_s" in v}
-    if "bf16" in short:
-        summary = {k: {"tok_s": v["tok_s"], "vs_bf16": v["tok_s"] / short["bf16"]["tok_s"]} for k, v in short.items()}
-        report.setdefault("results_by_model", {})[args.model] = summary
-        if args.model == report["model"]["name"]:
-            report["results"] = summary
+    for workload in WORKLOADS:
+        by_variant = {k.rsplit("/", 1)[1]: v for k, v in results.items()
+                if k.startswith(f"{args.model}/{workload}/") and "tok_s" in v}
+        if "bf16" not in by_variant:
+            continue
+        summary = {k: {"tok_s": v["tok_s"], "vs_bf16": v["tok_s"] / by_variant["bf16"]["tok_s"], **pass_split(workload, v)}
+                   for k, v in by_variant.items()}
+        report.setdefault("results_by_workload", {})[f"{args.model}/{workload}"] = summary
+        if workload == "short":
+            report.setdefault("results_by_model", {})[args.model] = summary
+            if args.model == report["model"]["name"]:
+                report["results"] = summary
     out.write_text(json.dumps(report, indent=2) + "\n")
 
 

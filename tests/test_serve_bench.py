@@ -1,4 +1,4 @@
-"""serve_bench's variant names are checked before an 8B model is built on the GPU."""
+"""serve_bench: variant names are checked before an 8B model is built on the GPU; every timed pass gets new prompts."""
 
 import pytest
 
@@ -13,3 +13,25 @@ def test_variant_names():
         parse_variant("tensor+kv8")
     with pytest.raises(SystemExit, match="fp8-convert schemes only"):
         parse_variant("vllm-online-fp8+lm-head")
+
+
+def test_every_pass_gets_new_prompts():
+    """Repeated prompts would be served from vLLM's prefix cache and time decode alone."""
+    from evals.serve_bench import WORKLOADS, workload_prompts
+
+    n, n_in, _ = WORKLOADS["short"]
+    first, second = workload_prompts("short", 1), workload_prompts("short", 2)
+    assert len(first) == n and all(len(p["prompt_token_ids"]) == n_in for p in first)
+    assert first == workload_prompts("short", 1)  # the same prompts for every variant
+    # no two prompts of the two passes share even their first 16-token block
+    blocks = {tuple(p["prompt_token_ids"][:16]) for p in first}
+    assert not blocks & {tuple(p["prompt_token_ids"][:16]) for p in second}
+
+
+def test_pass_split():
+    from evals.serve_bench import pass_split
+
+    # 256 x 256 tokens at 16,384 tok/s: a 4.0 s pass, 0.175 s of it prefill, 255 decode steps of 15 ms
+    assert pass_split("short", {"tok_s": 16384.0, "prefill_s": 0.175}) == {"prefill_s": 0.175,
+                                                                         "decode_step_ms": pytest.approx(15.0)}
+    assert pass_split("short", {"tok_s": 16384.0}) == {}
