@@ -70,8 +70,7 @@ def engine(path: str, workload: str, quantization: str | None, repeats: int = 1,
               skip_tokenizer_init=True, seed=0, max_num_seqs=256, kv_cache_dtype=kv_cache_dtype, **extra)
     start_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True, temperature=0.0, detokenize=False)
-    # warm-up: the whole workload once. After a 16-prompt warm-up the first full pass ran 10-14% slower than
-    # the next ones (H100, every variant; evals/results/serve_h100_steady.json, calls[0]).
+    # warm-up: the whole workload once (compilation, CUDA graphs and allocations settle on other prompts)
     llm.generate(workload_prompts(workload, 0), params, use_tqdm=False)
 
     def timed(pass_index: int, sampling: SamplingParams) -> tuple[float, int]:
@@ -84,8 +83,9 @@ def engine(path: str, workload: str, quantization: str | None, repeats: int = 1,
     rates = [tokens / seconds for seconds, tokens in runs]
     one_token = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0, detokenize=False)
     prefill = [timed(1 + repeats + i, one_token)[0] for i in range(repeats)]
-    seconds, tokens = runs[rates.index(statistics.median_low(rates))]
-    return {"tok_s": statistics.median(rates), "tok_s_runs": rates, "seconds": seconds, "output_tokens": tokens,
+    median = statistics.median_low(rates)  # a measured pass, whose seconds and tokens are reported with it
+    seconds, tokens = runs[rates.index(median)]
+    return {"tok_s": median, "tok_s_runs": rates, "seconds": seconds, "output_tokens": tokens,
             "prefill_s": statistics.median(prefill), "prefill_s_runs": prefill, "engine_start_s": start_s,
             "prompts": "new random prompt ids every pass (no prefix-cache hits)"}
 
@@ -157,6 +157,23 @@ def pass_split(workload: str, result: dict) -> dict:
     n, _, n_out = WORKLOADS[workload]
     pass_s = n * n_out / result["tok_s"]
     return {"prefill_s": result["prefill_s"], "decode_step_ms": 1000 * (pass_s - result["prefill_s"]) / (n_out - 1)}
+
+
+def workload_summaries(results: dict, model: str) -> dict[str, dict]:
+    """{"MODEL/WORKLOAD": {variant: tok_s, vs_bf16, prefill_s, decode_step_ms}} from the runs stored in `results`,
+    each variant against the BF16 run measured the same way (runs from before new prompts per pass, which have
+    no "prompts" entry, are only compared with each other)."""
+    summaries = {}
+    for workload in WORKLOADS:
+        by_variant = {k.rsplit("/", 1)[1]: v for k, v in results.items()
+                      if k.startswith(f"{model}/{workload}/") and "tok_s" in v}
+        if "bf16" not in by_variant:
+            continue
+        bf16 = by_variant["bf16"]
+        summaries[f"{model}/{workload}"] = {
+            k: {"tok_s": v["tok_s"], "vs_bf16": v["tok_s"] / bf16["tok_s"], **pass_split(workload, v)}
+            for k, v in by_variant.items() if v.get("prompts") == bf16.get("prompts")}
+    return summaries
 
 
 def build(workdir: Path, model: str) -> Path:
@@ -261,15 +278,9 @@ def main():
             results[key] = run_engine(path, workload, quantization, engine_env, args.repeats, kv_cache_dtype)
             print(key, results[key], flush=True)
             out.write_text(json.dumps(report, indent=2) + "\n")
-    for workload in WORKLOADS:
-        by_variant = {k.rsplit("/", 1)[1]: v for k, v in results.items()
-                if k.startswith(f"{args.model}/{workload}/") and "tok_s" in v}
-        if "bf16" not in by_variant:
-            continue
-        summary = {k: {"tok_s": v["tok_s"], "vs_bf16": v["tok_s"] / by_variant["bf16"]["tok_s"], **pass_split(workload, v)}
-                   for k, v in by_variant.items()}
-        report.setdefault("results_by_workload", {})[f"{args.model}/{workload}"] = summary
-        if workload == "short":
+    for key, summary in workload_summaries(results, args.model).items():
+        report.setdefault("results_by_workload", {})[key] = summary
+        if key == f"{args.model}/short":
             report.setdefault("results_by_model", {})[args.model] = summary
             if args.model == report["model"]["name"]:
                 report["results"] = summary

@@ -35,3 +35,24 @@ def test_pass_split():
     assert pass_split("short", {"tok_s": 16384.0, "prefill_s": 0.175}) == {"prefill_s": 0.175,
                                                                          "decode_step_ms": pytest.approx(15.0)}
     assert pass_split("short", {"tok_s": 16384.0}) == {}
+
+
+def test_summaries_compare_runs_measured_the_same_way():
+    from evals.serve_bench import workload_summaries
+
+    new = "new random prompt ids every pass (no prefix-cache hits)"
+    results = {
+        "qwen3-8b/convert": {"tensor": {"seconds": 12.0}},
+        "qwen3-8b/short/bf16": {"tok_s": 16000.0, "prefill_s": 0.8, "prompts": new},
+        "qwen3-8b/short/tensor": {"tok_s": 20000.0, "prefill_s": 0.6, "prompts": new},
+        "qwen3-8b/short/dynamic": {"tok_s": 22000.0},  # an older run on repeated prompts: no ratio against bf16
+        "qwen3-8b/short/block": {"error": "engine did not finish within 240 s"},
+        "qwen3-8b/long/dynamic": {"tok_s": 3900.0, "prompts": new},  # no long bf16 run: no long summary
+        "llama-8b/short/bf16": {"tok_s": 17000.0, "prompts": new},
+    }
+    summaries = workload_summaries(results, "qwen3-8b")
+    assert list(summaries) == ["qwen3-8b/short"]
+    short = summaries["qwen3-8b/short"]
+    assert set(short) == {"bf16", "tensor"}
+    assert short["tensor"]["vs_bf16"] == pytest.approx(1.25)
+    assert short["tensor"]["decode_step_ms"] == pytest.approx(1000 * (256 * 256 / 20000 - 0.6) / 255)
