@@ -5,7 +5,7 @@ weights than with BF16 (0.019 against 0.00036 on the TinyLlama-shaped model). Bo
 with the same formula, so the suspect is what gets quantized: the trainer quantizes the BF16 output of
 transformers' RMSNorm and of SiLU(gate) * up, while vLLM's torch.compile (Inductor) may fuse the native norm and
 activation with the FP8 quantization and, with `emulate_precision_casts` off, skip the rounding to BF16 in
-between. Two measurements:
+between. Three measurements:
 
 - The mechanism: vLLM 0.25's native RMSNorm and per-token FP8 quantization (restated below), compiled by Inductor
   on this machine's CPU with `emulate_precision_casts` off (torch's default) and on, against eager: the share of
@@ -14,6 +14,8 @@ between. Two measurements:
   of every FP8 projection to BF16 before quantizing it; `fused` does so only for o_proj (attention output is
   BF16 in both engines). KL(fused || trainer) over the completion positions (the direction grpo_gpu's mismatch KL
   estimates) and the share of FP8 activation codes that differ in the first layer.
+- The amplification: the same two ways through the BF16 source model (float32 compute, no FP8 quantization).
+  The ratio of the two KLs says how much FP8 quantization magnifies a BF16-level difference between engines.
 
     python evals/mismatch_sources.py [--shape tinyllama-1.1b] [--rows 4] [--out FILE]
 """
@@ -68,6 +70,50 @@ def inductor_codes_differing(hidden: int) -> dict:
     return result
 
 
+def fused_and_trainer_logps(model, linear_type, ids, completion: int) -> tuple[dict, dict, dict]:
+    """Completion log-probabilities with every projection input rounded to BF16 (`trainer`) and with only o_proj's
+    (`fused`), the first layer's q_proj input of each, and the seconds each forward took."""
+    import torch
+
+    rounding = {"mode": "trainer"}
+    first_inputs = {}
+
+    def round_input(module, inputs):
+        (x,) = inputs
+        name = module.fp8kit_name
+        if name.startswith("model.layers.0.self_attn.q_proj"):
+            first_inputs[rounding["mode"]] = x.detach().clone()
+        if rounding["mode"] == "trainer" or not name.endswith(FUSED_INPUTS):
+            return (x.to(torch.bfloat16).to(x.dtype),)
+        return None
+
+    hooks = []
+    for name, module in model.named_modules():
+        if isinstance(module, linear_type) and ".layers." in name:
+            module.fp8kit_name = name
+            hooks.append(module.register_forward_pre_hook(round_input))
+    logps, seconds = {}, {}
+    with torch.no_grad():
+        for mode in ("trainer", "fused"):
+            rounding["mode"] = mode
+            t0 = time.perf_counter()
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=completion + 1).logits[:, :-1]
+            logps[mode] = torch.log_softmax(logits.double(), dim=-1)
+            seconds[mode] = time.perf_counter() - t0
+    for hook in hooks:
+        hook.remove()
+    return logps, seconds, first_inputs
+
+
+def kl_stats(logps: dict) -> dict:
+    """KL(fused || trainer) per completion position (the direction grpo_gpu's mismatch KL estimates), summarized."""
+    fused, trainer = logps["fused"], logps["trainer"]
+    kl = (fused.exp() * (fused - trainer)).sum(-1)
+    return {"kl_fused_vs_trainer_mean": kl.mean().item(), "kl_fused_vs_trainer_median": kl.median().item(),
+            "kl_fused_vs_trainer_max": kl.max().item(),
+            "top1_agreement": (fused.argmax(-1) == trainer.argmax(-1)).double().mean().item()}
+
+
 def build(workdir: Path, shape: str) -> Path:
     from fp8kit import convert
     from fp8kit.models import build_checkpoint
@@ -103,33 +149,15 @@ def main():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, SHAPES[args.shape]["vocab_size"], (args.rows, prompt + completion), generator=g)
 
-    rounding = {"mode": "trainer"}
-    first_inputs = {}
-
-    def round_input(module, inputs):
-        (x,) = inputs
-        name = module.fp8kit_name
-        if name.startswith("model.layers.0.self_attn.q_proj"):
-            first_inputs[rounding["mode"]] = x.detach().clone()
-        if rounding["mode"] == "trainer" or not name.endswith(FUSED_INPUTS):
-            return (x.to(torch.bfloat16).to(x.dtype),)
-        return None
-
-    for name, module in model.named_modules():
-        if isinstance(module, FP8LoRALinear):
-            module.fp8kit_name = name
-            module.register_forward_pre_hook(round_input)
-
-    logps, seconds = {}, {}
-    with torch.no_grad():
-        for mode in ("trainer", "fused"):
-            rounding["mode"] = mode
-            t0 = time.perf_counter()
-            logits = model(input_ids=ids, use_cache=False, logits_to_keep=completion + 1).logits[:, :-1]
-            logps[mode] = torch.log_softmax(logits.double(), dim=-1)
-            seconds[mode] = time.perf_counter() - t0
-    fused, trainer = logps["fused"], logps["trainer"]
-    kl = (fused.exp() * (fused - trainer)).sum(-1)  # KL(fused || trainer) per position
+    logps, seconds, first_inputs = fused_and_trainer_logps(model, FP8LoRALinear, ids, completion)
+    fp8 = kl_stats(logps)
+    del model
+    # the same rounding difference with the BF16 source weights (no FP8 quantization): how much FP8 amplifies it
+    source = transformers.AutoModelForCausalLM.from_pretrained(workdir / f"{args.shape}-bf16", dtype=torch.float32,
+                                                               use_safetensors=True)
+    source.eval()
+    logps_bf16, seconds_bf16, _ = fused_and_trainer_logps(source, torch.nn.Linear, ids, completion)
+    bf16 = kl_stats(logps_bf16)
     q_trainer, _ = quantize_activation(first_inputs["trainer"].reshape(-1, first_inputs["trainer"].shape[-1])
                                        .to(torch.bfloat16).float(), "dynamic")
     q_fused, _ = quantize_activation(first_inputs["fused"].reshape(-1, first_inputs["fused"].shape[-1]), "dynamic")
@@ -144,12 +172,11 @@ def main():
         "workload": {"rows": args.rows, "prompt_tokens": prompt, "completion_tokens": completion,
                      "input": "uniform random token ids"},
         "inductor_vs_eager_fp8_codes_differing": inductor,
-        "kl_fused_vs_trainer_mean": kl.mean().item(),
-        "kl_fused_vs_trainer_median": kl.median().item(),
-        "kl_fused_vs_trainer_max": kl.max().item(),
-        "top1_agreement": (fused.argmax(-1) == trainer.argmax(-1)).double().mean().item(),
+        **fp8,
         "layer0_qkv_input_fp8_codes_differing": differing,
-        "seconds": seconds,
+        "bf16_weights": bf16,
+        "fp8_amplification": fp8["kl_fused_vs_trainer_mean"] / bf16["kl_fused_vs_trainer_mean"],
+        "seconds": {"fp8": seconds, "bf16_weights": seconds_bf16},
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))
