@@ -73,14 +73,15 @@ def inductor_codes_differing(hidden: int) -> dict:
 def fused_and_trainer_logps(model, linear_type, ids, completion: int) -> tuple[dict, dict, dict]:
     """Completion log-probabilities with every projection input rounded to BF16 (`trainer`) and with only o_proj's
     (`fused`), the first layer's q_proj input of each, and the seconds each forward took."""
+    import functools
+
     import torch
 
     rounding = {"mode": "trainer"}
     first_inputs = {}
 
-    def round_input(module, inputs):
+    def round_input(name, module, inputs):
         (x,) = inputs
-        name = module.fp8kit_name
         if name.startswith("model.layers.0.self_attn.q_proj"):
             first_inputs[rounding["mode"]] = x.detach().clone()
         if rounding["mode"] == "trainer" or not name.endswith(FUSED_INPUTS):
@@ -90,8 +91,7 @@ def fused_and_trainer_logps(model, linear_type, ids, completion: int) -> tuple[d
     hooks = []
     for name, module in model.named_modules():
         if isinstance(module, linear_type) and ".layers." in name:
-            module.fp8kit_name = name
-            hooks.append(module.register_forward_pre_hook(round_input))
+            hooks.append(module.register_forward_pre_hook(functools.partial(round_input, name)))
     logps, seconds = {}, {}
     with torch.no_grad():
         for mode in ("trainer", "fused"):
@@ -114,14 +114,17 @@ def kl_stats(logps: dict) -> dict:
             "top1_agreement": (fused.argmax(-1) == trainer.argmax(-1)).double().mean().item()}
 
 
-def build(workdir: Path, shape: str) -> Path:
+def build(workdir: Path, shape: str) -> tuple[Path, Path]:
+    """(BF16 source, its fp8-convert dynamic conversion), made once in workdir."""
     from fp8kit import convert
     from fp8kit.models import build_checkpoint
 
-    out = workdir / f"{shape}-fp8-dynamic"
+    src, out = workdir / f"{shape}-bf16", workdir / f"{shape}-fp8-dynamic"
+    if not (src / "config.json").exists():
+        build_checkpoint(src, "llama", **SHAPES[shape])
     if not (out / "config.json").exists():
-        convert(build_checkpoint(workdir / f"{shape}-bf16", "llama", **SHAPES[shape]), out, scheme="dynamic")
-    return out
+        convert(src, out, scheme="dynamic")
+    return src, out
 
 
 def main():
@@ -142,7 +145,7 @@ def main():
     print("Inductor against eager, share of FP8 codes differing:", json.dumps(inductor), flush=True)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    checkpoint = build(workdir, args.shape)
+    source_dir, checkpoint = build(workdir, args.shape)
     model = load_fp8_model(checkpoint, torch.float32, lora_rank=8)  # LoRA B starts at zero: no effect
     model.eval()
     prompt, completion = WORKLOAD["prompt_tokens"], WORKLOAD["max_completion_length"]
@@ -153,7 +156,7 @@ def main():
     fp8 = kl_stats(logps)
     del model
     # the same rounding difference with the BF16 source weights (no FP8 quantization): how much FP8 amplifies it
-    source = transformers.AutoModelForCausalLM.from_pretrained(workdir / f"{args.shape}-bf16", dtype=torch.float32,
+    source = transformers.AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32,
                                                                use_safetensors=True)
     source.eval()
     logps_bf16, seconds_bf16, _ = fused_and_trainer_logps(source, torch.nn.Linear, ids, completion)

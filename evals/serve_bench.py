@@ -43,13 +43,15 @@ WORKLOADS = {"short": (256, 128, 256), "long": (64, 2048, 512)}  # prompts, inpu
 # block variants run on the CUTLASS block kernel.
 ENGINE_ENV = {"VLLM_USE_DEEP_GEMM": "0", "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0"}
 TIMEOUT = 560
+# how a run's prompts were drawn, stored with it: ratios only compare runs measured the same way
+NEW_PROMPTS = "new random prompt ids every pass (no prefix-cache hits)"
 
 
 def workload_prompts(workload: str, pass_index: int) -> list[dict]:
     """Random prompt ids for one pass, different in every pass and the same for every variant.
 
     Repeating one pass's prompts let vLLM's prefix cache (on by default) skip 112 of each prompt's 128 tokens in
-    every pass after the first, so the timed passes measured decode alone; a server sees new prompts."""
+    every pass after the first, so the timed passes measured mostly decode; a server sees new prompts."""
     import random
 
     n, n_in, _ = WORKLOADS[workload]
@@ -87,7 +89,7 @@ def engine(path: str, workload: str, quantization: str | None, repeats: int = 1,
     seconds, tokens = runs[rates.index(median)]
     return {"tok_s": median, "tok_s_runs": rates, "seconds": seconds, "output_tokens": tokens,
             "prefill_s": statistics.median(prefill), "prefill_s_runs": prefill, "engine_start_s": start_s,
-            "prompts": "new random prompt ids every pass (no prefix-cache hits)"}
+            "prompts": NEW_PROMPTS}
 
 
 def run_engine(path: Path, workload: str, quantization: str | None, engine_env: dict, repeats: int = 1,
@@ -151,7 +153,8 @@ def with_static_scales(tensor_dir: Path, out: Path) -> Path:
 
 def pass_split(workload: str, result: dict) -> dict:
     """Prefill seconds and the mean decode step of a pass: (pass time - prefill time) / (output tokens - 1).
-    An estimate: vLLM schedules decode steps into the prefill of the last prompts (chunked prefill)."""
+    An estimate that runs low: vLLM schedules decode steps into the prefill of the last prompts (chunked
+    prefill), so a pass costs less than the prefill alone plus its decode steps."""
     if "prefill_s" not in result:  # results from before the prefill timing
         return {}
     n, _, n_out = WORKLOADS[workload]
@@ -280,10 +283,8 @@ def main():
             out.write_text(json.dumps(report, indent=2) + "\n")
     for key, summary in workload_summaries(results, args.model).items():
         report.setdefault("results_by_workload", {})[key] = summary
-        if key == f"{args.model}/short":
-            report.setdefault("results_by_model", {})[args.model] = summary
-            if args.model == report["model"]["name"]:
-                report["results"] = summary
+        if key == f"{args.model}/short" and args.model == report["model"]["name"]:
+            report["results"] = summary
     out.write_text(json.dumps(report, indent=2) + "\n")
 
 

@@ -38,9 +38,9 @@ def test_pass_split():
 
 
 def test_summaries_compare_runs_measured_the_same_way():
+    from evals.serve_bench import NEW_PROMPTS as new
     from evals.serve_bench import workload_summaries
 
-    new = "new random prompt ids every pass (no prefix-cache hits)"
     results = {
         "qwen3-8b/convert": {"tensor": {"seconds": 12.0}},
         "qwen3-8b/short/bf16": {"tok_s": 16000.0, "prefill_s": 0.8, "prompts": new},

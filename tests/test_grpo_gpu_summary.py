@@ -1,0 +1,41 @@
+"""grpo_gpu's summary: the issue's ratios and each variant's mean mismatch KL, computed on CPU from stored runs."""
+
+import pytest
+
+from evals.grpo_gpu import summarize
+
+
+def test_summary_ratios_and_mismatch():
+    runs = {
+        "llama-8b/bf16": {"peak_device_memory_bytes": 200, "peak_torch_allocated_bytes": 100, "mismatch_kl": [0.1, 0.3]},
+        "llama-8b/fp8": {"peak_device_memory_bytes": 150, "peak_torch_allocated_bytes": 60, "mismatch_kl": [1.0],
+                         "rollout_vs_standalone_vllm": 0.99},
+        "llama-8b/fp8-nocasts": {"error": "did not finish within 560 s"},
+        "tinyllama-1.1b/bf16": {"peak_device_memory_bytes": 1, "mismatch_kl": [5.0]},  # another shape: ignored
+    }
+    summary = summarize(runs, "llama-8b")
+    assert summary["peak_memory_ratio_fp8_vs_bf16"] == pytest.approx(0.75)
+    assert summary["peak_torch_allocated_ratio_fp8_vs_bf16"] == pytest.approx(0.6)
+    assert summary["rollout_vs_standalone_vllm"] == 0.99
+    assert "peak_memory_ratio_fp8_kv8_vs_bf16" not in summary  # no fp8-kv8 run
+    assert summary["mismatch_kl_mean"] == pytest.approx({"bf16": 0.2, "fp8": 1.0})
+    assert summarize({"llama-8b/fp8": runs["llama-8b/fp8"]}, "llama-8b") == {"rollout_vs_standalone_vllm": 0.99,
+                                                                           "mismatch_kl_mean": {"fp8": 1.0}}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA to fail the build")
+def test_failed_build_stops_the_run_with_one_line(tmp_path):
+    """Building runs in a child; when it fails the run stops before any variant and writes no results."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "grpo.json"
+    proc = subprocess.run([sys.executable, str(root / "evals/grpo_gpu.py"), "--shape", "tiny", "--variants", "bf16",
+                           "--workdir", str(tmp_path / "work"), "--out", str(out), "--child-timeout", "120"],
+                          capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode != 0
+    assert "building the tiny checkpoints failed" in proc.stderr
+    assert not out.exists()
