@@ -162,20 +162,42 @@ def pass_split(workload: str, result: dict) -> dict:
     return {"prefill_s": result["prefill_s"], "decode_step_ms": 1000 * (pass_s - result["prefill_s"]) / (n_out - 1)}
 
 
+def is_bf16_run(variant: str) -> bool:
+    """A BF16 engine: kernel switches (+deepgemm, +custom_ops=...) do not touch its BF16 GEMMs; +kv-fp8 does.
+    A repeat measured by a later call carries "@callN" (see main)."""
+    name = variant.split("@")[0]
+    return name == "bf16" or name.startswith(("bf16+deepgemm", "bf16+custom_ops="))
+
+
+def run_key(results: dict, key: str, call: int) -> str:
+    """Where a run goes in `results`: a repeat of a run another call measured gets "@callN", keeping the earlier
+    run, which the ratios of its own call used."""
+    earlier = results.get(key, {})
+    return f"{key}@call{call}" if "call" in earlier and earlier["call"] != call else key
+
+
 def workload_summaries(results: dict, model: str) -> dict[str, dict]:
-    """{"MODEL/WORKLOAD": {variant: tok_s, vs_bf16, prefill_s, decode_step_ms}} from the runs stored in `results`,
-    each variant against the BF16 run measured the same way (runs from before new prompts per pass, which have
-    no "prompts" entry, are only compared with each other)."""
+    """{"MODEL/WORKLOAD": {variant: tok_s, vs_bf16, vs_bf16_of, prefill_s, decode_step_ms}} from the runs stored in
+    `results`. Each variant is compared with a BF16 run measured the same way (runs from before new prompts per
+    pass, which have no "prompts" entry, are only compared with each other): the BF16 engine of its own call
+    (`call`: one invocation of this script) where there is one, since engines of one call share a warm machine,
+    else "bf16", else another BF16 run. `vs_bf16_of` names the BF16 run used."""
     summaries = {}
     for workload in WORKLOADS:
         by_variant = {k.rsplit("/", 1)[1]: v for k, v in results.items()
                       if k.startswith(f"{model}/{workload}/") and "tok_s" in v}
-        if "bf16" not in by_variant:
-            continue
-        bf16 = by_variant["bf16"]
-        summaries[f"{model}/{workload}"] = {
-            k: {"tok_s": v["tok_s"], "vs_bf16": v["tok_s"] / bf16["tok_s"], **pass_split(workload, v)}
-            for k, v in by_variant.items() if v.get("prompts") == bf16.get("prompts")}
+        bf16_runs = sorted((name for name in by_variant if is_bf16_run(name)), key=lambda name: name != "bf16")
+        summary = {}
+        for name, run in by_variant.items():
+            alike = [b for b in bf16_runs if by_variant[b].get("prompts") == run.get("prompts")]
+            same_call = [b for b in alike if "call" in run and by_variant[b].get("call") == run["call"]]
+            if not alike:
+                continue
+            ref = (same_call or alike)[0]
+            summary[name] = {"tok_s": run["tok_s"], "vs_bf16": run["tok_s"] / by_variant[ref]["tok_s"],
+                             "vs_bf16_of": ref, **pass_split(workload, run)}
+        if summary:
+            summaries[f"{model}/{workload}"] = summary
     return summaries
 
 
@@ -278,7 +300,10 @@ def main():
             engine_env = {} if args.deep_gemm else dict(ENGINE_ENV)
             if args.custom_ops:
                 engine_env["FP8KIT_BENCH_CUSTOM_OPS"] = args.custom_ops
-            results[key] = run_engine(path, workload, quantization, engine_env, args.repeats, kv_cache_dtype)
+            call = len(report["commands"]) - 1  # which command in `commands` measured it
+            key = run_key(results, key, call)
+            results[key] = {**run_engine(path, workload, quantization, engine_env, args.repeats, kv_cache_dtype),
+                            "call": call}
             print(key, results[key], flush=True)
             out.write_text(json.dumps(report, indent=2) + "\n")
     for key, summary in workload_summaries(results, args.model).items():

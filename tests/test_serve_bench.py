@@ -56,3 +56,38 @@ def test_summaries_compare_runs_measured_the_same_way():
     assert set(short) == {"bf16", "tensor"}
     assert short["tensor"]["vs_bf16"] == pytest.approx(1.25)
     assert short["tensor"]["decode_step_ms"] == pytest.approx(1000 * (256 * 256 / 20000 - 0.6) / 255)
+
+
+def test_summaries_prefer_the_bf16_engine_of_the_same_call():
+    """Runs accumulated over several calls: each variant against its own call's BF16 engine, else "bf16"."""
+    from evals.serve_bench import NEW_PROMPTS as new
+    from evals.serve_bench import workload_summaries
+
+    results = {
+        "qwen3-8b/short/bf16": {"tok_s": 16000.0, "prompts": new, "call": 0},
+        "qwen3-8b/short/dynamic": {"tok_s": 20000.0, "prompts": new, "call": 0},
+        "qwen3-8b/short/tensor+custom_ops=+quant_fp8": {"tok_s": 21000.0, "prompts": new, "call": 1},
+        "qwen3-8b/short/bf16+custom_ops=+quant_fp8": {"tok_s": 15000.0, "prompts": new, "call": 1},
+        "qwen3-8b/short/bf16+kv-fp8": {"tok_s": 15500.0, "prompts": new, "call": 1},  # not a BF16 reference
+        "qwen3-8b/short/block+deepgemm": {"tok_s": 19200.0, "prompts": new, "call": 2},  # no BF16 in its call
+        "qwen3-8b/short/dynamic+kv-fp8": {"tok_s": 20400.0, "prompts": new, "call": 3},
+        "qwen3-8b/short/bf16@call3": {"tok_s": 17000.0, "prompts": new, "call": 3},  # a repeat in a later call
+    }
+    short = workload_summaries(results, "qwen3-8b")["qwen3-8b/short"]
+    assert short["dynamic"]["vs_bf16"] == pytest.approx(1.25) and short["dynamic"]["vs_bf16_of"] == "bf16"
+    assert short["tensor+custom_ops=+quant_fp8"]["vs_bf16"] == pytest.approx(1.4)
+    assert short["tensor+custom_ops=+quant_fp8"]["vs_bf16_of"] == "bf16+custom_ops=+quant_fp8"
+    assert short["bf16+kv-fp8"]["vs_bf16"] == pytest.approx(15500 / 15000)
+    assert short["block+deepgemm"]["vs_bf16"] == pytest.approx(1.2) and short["block+deepgemm"]["vs_bf16_of"] == "bf16"
+    assert short["dynamic+kv-fp8"]["vs_bf16"] == pytest.approx(1.2) and short["dynamic+kv-fp8"]["vs_bf16_of"] == "bf16@call3"
+    assert short["bf16@call3"]["vs_bf16"] == 1.0
+
+
+def test_a_repeat_in_a_later_call_keeps_the_earlier_run():
+    from evals.serve_bench import run_key
+
+    results = {"qwen3-8b/short/bf16": {"tok_s": 16000.0, "call": 1}, "qwen3-8b/short/old": {"tok_s": 1.0}}
+    assert run_key(results, "qwen3-8b/short/bf16", 4) == "qwen3-8b/short/bf16@call4"
+    assert run_key(results, "qwen3-8b/short/bf16", 1) == "qwen3-8b/short/bf16"
+    assert run_key(results, "qwen3-8b/short/old", 4) == "qwen3-8b/short/old"  # runs from before calls were recorded
+    assert run_key(results, "qwen3-8b/short/tensor", 4) == "qwen3-8b/short/tensor"
