@@ -46,7 +46,7 @@ def _fail(message: str, code: int = 1):
                    "tensor: one weight scale per tensor; tensor-static: per-tensor weights and calibrated static "
                    "activation scales (needs llm-compressor and the model's tokenizer).")
 @click.option("--calibration", type=click.Path(dir_okay=False), default=None,
-              help="Calibration text for tensor-static (default: a sample shipped with fp8kit).")
+              help="Calibration text for tensor-static and --kv-cache (default: a sample shipped with fp8kit).")
 @click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "fp8"]), default="compressed-tensors",
               show_default=True, help="fp8 is the DeepSeek-V3 / Qwen3-*-FP8 layout (block and tensor only).")
 @click.option("--ignore", multiple=True, metavar="REGEX",
@@ -54,11 +54,15 @@ def _fail(message: str, code: int = 1):
 @click.option("--lm-head", is_flag=True,
               help="Quantize lm_head too (compressed-tensors; untied lm_head only): less weight memory in vLLM on "
                    "large vocabularies, less accurate logits.")
+@click.option("--kv-cache", type=click.Choice(["fp8"]), default=None,
+              help="Add calibrated FP8 KV-cache scales (compressed-tensors): vLLM then serves with an FP8 KV cache by "
+                   "default. Runs the whole model over --calibration text; needs the model's tokenizer.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--max-shard-size", default="5GB", show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, device, max_shard_size, overwrite, as_json):
+def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, device, max_shard_size, overwrite,
+                as_json):
     """Convert the safetensors checkpoint SRC (a directory or a Hub id org/name[@revision]) into FP8 at OUT."""
     from fp8kit.converter import convert
 
@@ -69,7 +73,7 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, device, max
             warnings.simplefilter("ignore")
             report = convert(src, out, scheme=scheme, format=fmt, ignore=list(ignore), device=device,
                              max_shard_size=max_shard_size, overwrite=overwrite, progress=sys.stderr.isatty(),
-                             calibration=calibration, lm_head=lm_head)
+                             calibration=calibration, lm_head=lm_head, kv_cache=kv_cache)
     except Fp8kitError as e:
         _fail(str(e))
     except KeyboardInterrupt:

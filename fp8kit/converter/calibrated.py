@@ -13,22 +13,16 @@ import time
 from pathlib import Path
 
 from fp8kit.converter import source
+from fp8kit.converter.calibration import calibration_samples, kv_cache_scheme
 from fp8kit.converter.formats import ignore_list
 from fp8kit.converter.output import atomic_directory, check_out
 from fp8kit.converter.schemes import SCHEMES
 from fp8kit.converter.select import check_not_quantized, select
 from fp8kit.errors import Fp8kitError
 
-DEFAULT_CALIBRATION = Path(__file__).parents[1] / "data" / "sample.txt"
-
-
-def calibration_ids(tokenizer, text: str, seq_len: int) -> list[list[int]]:
-    ids = tokenizer(text).input_ids
-    return [ids[i:i + seq_len] for i in range(0, len(ids), seq_len) if len(ids[i:i + seq_len]) >= 8]
-
 
 def convert_static(src, out, calibration: str | Path | None = None, ignore=(), overwrite: bool = False,
-                   seq_len: int = 512):
+                   seq_len: int = 512, kv_cache: str | None = None):
     from fp8kit.converter.streaming import ConvertReport, peak_rss_bytes
 
     start = time.perf_counter()
@@ -40,11 +34,6 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     out = check_out(out, overwrite)
     src_path = source.resolve(src).resolve()
     check_out(out, overwrite, src_path)
-    calibration = Path(calibration) if calibration else DEFAULT_CALIBRATION
-    try:
-        text = calibration.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise Fp8kitError(f"{calibration}: cannot read the calibration text ({e})") from e
     source.load_config(src_path)
     tensors = source.read_tensors(src_path)
     check_not_quantized(tensors)
@@ -52,15 +41,9 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
 
     import torch
     from torch.utils.data import DataLoader
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(src_path)
-    except (OSError, ValueError) as e:
-        raise Fp8kitError(f"{src_path}: --scheme tensor-static needs the model's tokenizer to calibrate ({e})") from e
-    samples = calibration_ids(tokenizer, text, seq_len)
-    if not samples:
-        raise Fp8kitError(f"{calibration}: too little text to calibrate on (fewer than 8 tokens)")
+    tokenizer, samples, calibration = calibration_samples(src_path, calibration, seq_len, "--scheme tensor-static")
     # A plain DataLoader of token ids: a `datasets.Dataset` would be fingerprinted by pickling, which fails
     # with some pyarrow/dill combinations (seen with pyarrow 26 on Python 3.12).
     loader = DataLoader([{"input_ids": torch.tensor(s), "attention_mask": torch.ones(len(s), dtype=torch.long)}
@@ -68,7 +51,11 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     # on the GPU when there is one: calibration runs the whole model over the text
     model = AutoModelForCausalLM.from_pretrained(src_path, dtype="auto",
                                                  device_map="cuda" if torch.cuda.is_available() else None)
-    recipe = QuantizationModifier(targets="Linear", scheme="FP8", ignore=ignore_list(sel.keep))
+    # the KV-cache scales as llm-compressor measures them, with the static min-max observer that our streaming
+    # schemes' --kv-cache fp8 matches (its default observer averages over batches)
+    kv_scheme = {**kv_cache_scheme(), "observer": "static_minmax"} if kv_cache else None
+    recipe = QuantizationModifier(targets="Linear", scheme="FP8", ignore=ignore_list(sel.keep),
+                                  kv_cache_scheme=kv_scheme)
     with torch.no_grad():
         oneshot(model=model, dataset=loader, processor=tokenizer, recipe=recipe, num_calibration_samples=len(samples),
                 max_seq_length=seq_len)

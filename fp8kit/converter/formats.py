@@ -15,7 +15,7 @@ FORMATS = ("compressed-tensors", "fp8")
 COMPRESSED_TENSORS_VERSION = "0.19.0"  # the compressed-tensors config schema this mirrors
 
 
-def _args(strategy: str, dynamic: bool, group_size=None, block=None, observer=None) -> dict:
+def quantization_args(strategy: str, dynamic: bool, group_size=None, block=None, observer=None) -> dict:
     return {"actorder": None, "block_structure": list(block) if block else None, "dynamic": dynamic,
             "group_size": group_size, "num_bits": 8, "observer": observer, "observer_kwargs": {},
             "scale_dtype": None, "strategy": strategy, "symmetric": True, "type": "float", "zp_dtype": None}
@@ -40,10 +40,10 @@ def quantization_config(scheme: Scheme, fmt: str, kept: list[str], lm_head: bool
         return config
     group = {
         "format": "float-quantized",
-        "input_activations": _args(scheme.activation_strategy, True, group_size=scheme.activation_group_size),
+        "input_activations": quantization_args(scheme.activation_strategy, True, group_size=scheme.activation_group_size),
         "output_activations": None,
         "targets": ["Linear", "lm_head"] if lm_head else ["Linear"],
-        "weights": _args(scheme.weight_strategy, False, block=scheme.block, observer="memoryless_minmax"),
+        "weights": quantization_args(scheme.weight_strategy, False, block=scheme.block, observer="memoryless_minmax"),
     }
     return {"config_groups": {"group_0": group}, "format": "float-quantized", "global_compression_ratio": None,
             "ignore": ignore, "kv_cache_scheme": None, "quant_method": "compressed-tensors",

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from fp8kit.converter import source
+from fp8kit.converter.calibration import DEFAULT_CALIBRATION, KV_CACHE_DTYPES, kv_cache_scales, kv_cache_scheme
 from fp8kit.converter.formats import FORMATS, quantization_config, scale_name
 from fp8kit.converter.output import atomic_directory, check_out
 from fp8kit.converter.safetensors_io import (DTYPES, ITEMSIZE, OutTensor, TensorInfo, layout,
@@ -269,22 +270,30 @@ def _write_json(path: Path, data: dict) -> None:
 def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynamic",
             format: str = "compressed-tensors", ignore: list[str] | tuple[str, ...] = (), device: str = "auto",
             max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False,
-            calibration: str | os.PathLike | None = None, lm_head: bool = False) -> ConvertReport:
+            calibration: str | os.PathLike | None = None, lm_head: bool = False,
+            kv_cache: str | None = None) -> ConvertReport:
     """Convert a BF16/FP16/FP32 safetensors checkpoint (directory or Hub id) into an FP8 checkpoint at OUT.
     `lm_head=True` quantizes lm_head too (compressed-tensors; less weight memory in vLLM, at some cost in logit
-    accuracy)."""
+    accuracy). `kv_cache="fp8"` adds calibrated FP8 KV-cache scales, which make vLLM serve with an FP8 KV cache
+    (compressed-tensors; runs the whole model over `calibration` text, the shipped sample by default)."""
     start = time.perf_counter()
     if lm_head and (format != "compressed-tensors" or scheme == "tensor-static"):
         raise Fp8kitError("--lm-head is written in the compressed-tensors format with --scheme dynamic, block or "
                           "tensor only (vLLM's fp8 format has no FP8 lm_head)")
+    if kv_cache is not None and kv_cache not in KV_CACHE_DTYPES:
+        raise Fp8kitError(f"--kv-cache {kv_cache!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache and format != "compressed-tensors":
+        raise Fp8kitError("--kv-cache fp8 is written in the compressed-tensors format only (vLLM turns on its FP8 "
+                          "KV cache by itself only for compressed-tensors checkpoints)")
     if scheme == "tensor-static":
         if format != "compressed-tensors":
             raise Fp8kitError("--scheme tensor-static is written in the compressed-tensors format only")
         from fp8kit.converter.calibrated import convert_static
 
-        return convert_static(src, out, calibration, ignore, overwrite)
-    if calibration is not None:
-        raise Fp8kitError("--calibration is for --scheme tensor-static; the other schemes need no data")
+        return convert_static(src, out, calibration, ignore, overwrite, kv_cache=kv_cache)
+    if calibration is not None and not kv_cache:
+        raise Fp8kitError("--calibration is for --scheme tensor-static or --kv-cache fp8; the other schemes need "
+                          "no data")
     if scheme not in SCHEMES:
         raise Fp8kitError(f"--scheme {scheme!r}: expected one of {', '.join(SCHEMES)}, tensor-static")
     if format not in FORMATS:
@@ -316,9 +325,17 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     config["quantization_config"] = quantization_config(spec, format, sel.keep, lm_head=lm_head)
     bytes_in = sum(info.nbytes for info in tensors.values())
-
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+    kv_scales, warnings = {}, list(sel.warnings)
+    if kv_cache:
+        # in the weight scales' dtype, as llm-compressor writes them
+        kv_dtype = DTYPES[tensors[sel.quantize[0] + ".weight"].dtype]
+        kv_scales, n = kv_cache_scales(src_path, calibration, dev, kv_dtype)
+        config["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme()
+        names = [f"model-{i + 1:05d}-of-{len(shards) + 1:05d}.safetensors" for i in range(len(shards) + 1)]
+        warnings.append(f"FP8 KV-cache scales calibrated on {n} sequences from "
+                        f"{Path(calibration).name if calibration else DEFAULT_CALIBRATION.name}")
     inputs = _Inputs()
     from tqdm.auto import tqdm
 
@@ -332,9 +349,15 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
                 except OSError as e:
                     raise Fp8kitError(f"{out / name}: cannot write ({e.strerror}); free disk space or choose "
                                       f"another OUT") from e
-            if len(shards) > 1:
+            if kv_scales:  # a shard of their own: the weight shards are laid out before they are measured
+                from safetensors.torch import save_file
+
+                save_file(kv_scales, partial / names[-1], metadata={"format": "pt"})
+            if len(names) > 1:
                 weight_map = {t.name: name for name, shard in zip(names, shards) for job in shard for t in job.outputs}
-                total = sum(t.nbytes for job in jobs for t in job.outputs)
+                weight_map.update(dict.fromkeys(kv_scales, names[-1]))
+                total = (sum(t.nbytes for job in jobs for t in job.outputs)
+                         + sum(t.nbytes for t in kv_scales.values()))
                 _write_json(partial / source.INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
             _write_json(partial / "config.json", config)
             for extra in source.extra_files(src_path):
@@ -351,4 +374,4 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
         bytes_in=bytes_in, bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
         peak_rss_bytes=peak_rss_bytes(),
         peak_gpu_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
-        files=files, warnings=sel.warnings)
+        files=files, warnings=warnings)

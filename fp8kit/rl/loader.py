@@ -124,7 +124,9 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
         setattr(model.get_submodule(parent), leaf, layer)
     placed = {f"{m}.{leaf}" for m in lora_linears for leaf in ("weight", scale_suffix, "bias")}
     for key, get in tensors.items():
-        if key in placed or re.search(r"\.(input_scale|weight_zero_point)$", key):
+        # static activation and KV-cache scales serve vLLM; the trainer quantizes activations dynamically and
+        # keeps its attention in the compute dtype
+        if key in placed or re.search(r"\.(input_scale|weight_zero_point|k_scale|v_scale)$", key):
             continue
         tensor = get()
         _set_tensor(model, key, tensor.to(dtype) if tensor.is_floating_point() else tensor)

@@ -1,0 +1,105 @@
+"""--kv-cache fp8: calibrated FP8 KV-cache scales in the checkpoint, measured as llm-compressor measures them."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from fp8kit import convert
+from fp8kit.cli import fp8_convert
+from fp8kit.models import add_tokenizer, build_checkpoint
+from fp8kit.quality import load_causal_lm, logit_drift, quiet
+
+# 1,500-2,000 tokens with the tokenizer trained on it: four calibration sequences of at most 512 (the scales
+# are maxima over all of them)
+TEXT = " ".join(f"Sentence {i} tells the quick brown fox to jump over {i % 7} lazy dogs." for i in range(120))
+
+
+def kv_scales(directory):
+    scales = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(f, "pt") as sf:
+            scales.update({k: sf.get_tensor(k) for k in sf.keys() if k.endswith((".k_scale", ".v_scale"))})
+    return scales
+
+
+@pytest.fixture(scope="module")
+def qwen3_src(tmp_path_factory):
+    """Qwen3 normalizes keys before RoPE: the cached keys are neither k_proj's output nor its norm's."""
+    src = build_checkpoint(tmp_path_factory.mktemp("kv") / "src", "qwen3", torch.bfloat16, seed=3)
+    add_tokenizer(src, TEXT)
+    calibration = src.parent / "calibration.txt"
+    calibration.write_text(TEXT)
+    return src, calibration
+
+
+def test_scales_match_llmcompressor_and_serve_in_transformers(tmp_path, qwen3_src):
+    pytest.importorskip("llmcompressor")
+    src, calibration = qwen3_src
+    report = convert(src, tmp_path / "dyn", scheme="dynamic", kv_cache="fp8", calibration=calibration)
+    assert "FP8 KV-cache scales calibrated on 4 sequences from calibration.txt" in report.warnings
+    ours = kv_scales(tmp_path / "dyn")
+    assert sorted(ours) == [f"model.layers.{i}.self_attn.{k}_scale" for i in range(2) for k in "kv"]
+    q = json.loads((tmp_path / "dyn" / "config.json").read_text())["quantization_config"]
+    kv = q["kv_cache_scheme"]
+    # the fields vLLM 0.25 checks before it turns on its FP8 KV cache (validate_kv_cache_scheme)
+    assert (kv["type"], kv["num_bits"], kv["strategy"], kv["symmetric"], kv["dynamic"]) == ("float", 8, "tensor",
+                                                                                           True, False)
+    index = json.loads((tmp_path / "dyn" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index.values()) == {p.name for p in (tmp_path / "dyn").glob("*.safetensors")}
+    assert "model.layers.0.self_attn.k_scale" in index and "model.layers.0.self_attn.q_proj.weight" in index
+
+    # the reference: llm-compressor's own KV-cache calibration (static min-max observer) in the same run as its
+    # static activation scales, on the same text
+    convert(src, tmp_path / "static", scheme="tensor-static", kv_cache="fp8", calibration=calibration)
+    reference = kv_scales(tmp_path / "static")
+    assert sorted(reference) == sorted(ours)
+    for name, scale in ours.items():
+        assert scale.dtype == reference[name].dtype == torch.bfloat16 and scale.shape == (1,)
+        # both divide a BF16 maximum by 448; one BF16 rounding apart at most
+        torch.testing.assert_close(scale.float(), reference[name].float(), rtol=2 ** -7, atol=0)
+    values = torch.cat([v.float() for k, v in ours.items() if k.endswith("v_scale")])
+    keys = torch.cat([v.float() for k, v in ours.items() if k.endswith("k_scale")])
+    assert not torch.allclose(values, keys)  # keys and values measured apart
+
+    # transformers (compressed-tensors) reads the scales and quantizes its KV states with them
+    plain = tmp_path / "plain"
+    shutil.copytree(tmp_path / "dyn", plain)
+    config = json.loads((plain / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = None
+    (plain / "config.json").write_text(json.dumps(config))
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with quiet(), torch.no_grad():
+        source = load_causal_lm(src)(input_ids=ids).logits
+        with_kv = load_causal_lm(tmp_path / "dyn")(input_ids=ids).logits
+        without_kv = load_causal_lm(plain)(input_ids=ids).logits
+    assert not torch.equal(with_kv, without_kv)
+    assert logit_drift(source, with_kv)["kl"] < 5e-3
+
+
+def test_rl_loader_reads_a_kv_cache_checkpoint(tmp_path, qwen3_src):
+    from fp8kit.rl import load_fp8_model
+
+    src, calibration = qwen3_src
+    convert(src, tmp_path / "dyn", scheme="dynamic", kv_cache="fp8", calibration=calibration)
+    model = load_fp8_model(tmp_path / "dyn", dtype=torch.float32, lora_rank=4)
+    assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, model.config.vocab_size)
+
+
+def test_bad_kv_cache_requests_leave_nothing(tmp_path, llama_dir, qwen3_src):
+    src, _ = qwen3_src
+    out = tmp_path / "out"
+    runner = CliRunner()
+    result = runner.invoke(fp8_convert, [str(src), str(out), "--scheme", "block", "--format", "fp8", "--kv-cache", "fp8"])
+    assert result.exit_code == 1 and "compressed-tensors format only" in result.stderr and not out.exists()
+    # llama_dir has no tokenizer: nothing to calibrate with
+    result = runner.invoke(fp8_convert, [str(llama_dir), str(out), "--scheme", "dynamic", "--kv-cache", "fp8"])
+    assert result.exit_code == 1 and "--kv-cache fp8 needs the model's tokenizer" in result.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+    result = runner.invoke(fp8_convert, [str(src), str(out), "--scheme", "dynamic", "--kv-cache", "fp8",
+                                         "--calibration", str(tmp_path / "missing.txt")])
+    assert result.exit_code == 1 and "missing.txt: cannot read the calibration text" in result.stderr
+    assert not out.exists()
