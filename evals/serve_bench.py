@@ -170,10 +170,10 @@ def is_bf16_run(variant: str) -> bool:
 
 
 def run_key(results: dict, key: str, call: int) -> str:
-    """Where a run goes in `results`: a repeat of a run another call measured gets "@callN", keeping the earlier
-    run, which the ratios of its own call used."""
-    earlier = results.get(key, {})
-    return f"{key}@call{call}" if "call" in earlier and earlier["call"] != call else key
+    """Where a run goes in `results`: a repeat of a run another call measured (or a run stored before calls were
+    recorded) gets "@callN", keeping the earlier run, which the ratios of its own call used."""
+    earlier = results.get(key)
+    return f"{key}@call{call}" if earlier is not None and earlier.get("call") != call else key
 
 
 def workload_summaries(results: dict, model: str) -> dict[str, dict]:

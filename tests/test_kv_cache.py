@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -10,6 +11,9 @@ from safetensors import safe_open
 
 from fp8kit import convert
 from fp8kit.cli import fp8_convert
+from fp8kit.converter.calibration import calibration_ids, checkpoint_prefix
+from fp8kit.converter.schemes import scale_from_amax
+from fp8kit.errors import Fp8kitError
 from fp8kit.models import add_tokenizer, build_checkpoint
 from fp8kit.quality import load_causal_lm, logit_drift, quiet
 
@@ -26,6 +30,36 @@ def kv_scales(directory):
     return scales
 
 
+def recomputed_scales(src, seq_len=512):
+    """The reference: each attention module's keys and values recomputed from its inputs with its own k_proj,
+    v_proj, key norm and RoPE, while the model runs with transformers' default attention and masks."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    amax = {}
+
+    def hook(module, args, kwargs, output, name):
+        h = kwargs["hidden_states"]
+        shape = (*h.shape[:-1], -1, module.head_dim)
+        k = module.k_proj(h).view(shape).transpose(1, 2)
+        v = module.v_proj(h).view(shape).transpose(1, 2)
+        if hasattr(module, "k_norm"):
+            k = module.k_norm(k)
+        cos, sin = kwargs["position_embeddings"]
+        _, k = sys.modules[type(module).__module__].apply_rotary_pos_emb(k, k, cos, sin)
+        for kind, states in (("k", k), ("v", v)):
+            amax[f"{name}.{kind}_scale"] = max(amax.get(f"{name}.{kind}_scale", 0.0), states.abs().max().float().item())
+
+    for name, module in model.named_modules():
+        if hasattr(module, "k_proj") and hasattr(module, "v_proj"):
+            module.register_forward_hook(lambda m, a, kw, out, name=name: hook(m, a, kw, out, name), with_kwargs=True)
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    with torch.no_grad():
+        for ids in calibration_ids(tokenizer, TEXT, seq_len):
+            model(input_ids=torch.tensor([ids]))
+    return {k: scale_from_amax(torch.tensor(a), torch.bfloat16) for k, a in amax.items()}
+
+
 @pytest.fixture(scope="module")
 def qwen3_src(tmp_path_factory):
     """Qwen3 normalizes keys before RoPE: the cached keys are neither k_proj's output nor its norm's."""
@@ -36,21 +70,60 @@ def qwen3_src(tmp_path_factory):
     return src, calibration
 
 
-def test_scales_match_llmcompressor_and_serve_in_transformers(tmp_path, qwen3_src):
-    pytest.importorskip("llmcompressor")
-    src, calibration = qwen3_src
-    report = convert(src, tmp_path / "dyn", scheme="dynamic", kv_cache="fp8", calibration=calibration)
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "mistral", "llama"])
+def test_scales_are_the_cached_keys_and_values(tmp_path, arch):
+    """Qwen3 and Gemma3 normalize keys before RoPE; Gemma3 and Mistral have sliding windows (64 tokens here)
+    shorter than the 512-token calibration sequences, which the model's own masks must keep."""
+    src = build_checkpoint(tmp_path / "src", arch, torch.bfloat16, seed=3)
+    add_tokenizer(src, TEXT)
+    (tmp_path / "calibration.txt").write_text(TEXT)
+    # several source shards: the scales join the index as one more shard
+    report = convert(src, tmp_path / "out", scheme="block", kv_cache="fp8", calibration=tmp_path / "calibration.txt",
+                     max_shard_size="1MB")
     assert "FP8 KV-cache scales calibrated on 4 sequences from calibration.txt" in report.warnings
-    ours = kv_scales(tmp_path / "dyn")
-    assert sorted(ours) == [f"model.layers.{i}.self_attn.{k}_scale" for i in range(2) for k in "kv"]
-    q = json.loads((tmp_path / "dyn" / "config.json").read_text())["quantization_config"]
+    from transformers import AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert not [k for k in list(ALL_ATTENTION_FUNCTIONS) + list(AttentionMaskInterface._global_mapping)
+                if k.startswith("fp8kit")]  # the observer is gone once the conversion is done
+    ours = kv_scales(tmp_path / "out")
+    reference = recomputed_scales(src)
+    assert sorted(ours) == sorted(reference) and len(ours) == 2 * json.loads((src / "config.json").read_text())[
+        "num_hidden_layers"]
+    for name, scale in ours.items():
+        assert scale.dtype == torch.bfloat16 and scale.shape == (1,)
+        assert float(scale) == float(reference[name]), name
+    q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     kv = q["kv_cache_scheme"]
     # the fields vLLM 0.25 checks before it turns on its FP8 KV cache (validate_kv_cache_scheme)
     assert (kv["type"], kv["num_bits"], kv["strategy"], kv["symmetric"], kv["dynamic"]) == ("float", 8, "tensor",
                                                                                            True, False)
-    index = json.loads((tmp_path / "dyn" / "model.safetensors.index.json").read_text())["weight_map"]
-    assert set(index.values()) == {p.name for p in (tmp_path / "dyn").glob("*.safetensors")}
-    assert "model.layers.0.self_attn.k_scale" in index and "model.layers.0.self_attn.q_proj.weight" in index
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
+    assert set(ours) <= set(index["weight_map"]) and all(index["weight_map"][k] == files[-1] for k in ours)
+    stored = 0
+    for f in files:
+        with safe_open(tmp_path / "out" / f, "pt") as sf:
+            stored += sum(sf.get_tensor(k).nbytes for k in sf.keys())
+    assert index["metadata"]["total_size"] == stored
+
+
+def test_checkpoint_names_of_renamed_attention_modules():
+    keys = ["language_model.model.layers.0.self_attn.k_proj.weight", "vision_tower.encoder.layers.0.mlp.fc1.weight"]
+    assert checkpoint_prefix("model.language_model.layers.0.self_attn", keys) == "language_model.model.layers.0.self_attn"
+    assert checkpoint_prefix("model.layers.3.self_attn", ["model.layers.3.self_attn.k_proj.weight"]) == \
+        "model.layers.3.self_attn"
+    with pytest.raises(Fp8kitError, match="0 checkpoint tensors end in layers.1.self_attn.k_proj.weight"):
+        checkpoint_prefix("model.layers.1.self_attn", keys)
+
+
+def test_scales_match_llmcompressor_and_serve_in_transformers(tmp_path, qwen3_src):
+    pytest.importorskip("llmcompressor")
+    src, calibration = qwen3_src
+    convert(src, tmp_path / "dyn", scheme="dynamic", kv_cache="fp8", calibration=calibration)
+    ours = kv_scales(tmp_path / "dyn")
+    assert sorted(ours) == [f"model.layers.{i}.self_attn.{k}_scale" for i in range(2) for k in "kv"]
 
     # the reference: llm-compressor's own KV-cache calibration (static min-max observer) in the same run as its
     # static activation scales, on the same text
@@ -98,7 +171,7 @@ def test_bad_kv_cache_requests_leave_nothing(tmp_path, llama_dir, qwen3_src):
     # llama_dir has no tokenizer: nothing to calibrate with
     result = runner.invoke(fp8_convert, [str(llama_dir), str(out), "--scheme", "dynamic", "--kv-cache", "fp8"])
     assert result.exit_code == 1 and "--kv-cache fp8 needs the model's tokenizer" in result.stderr
-    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+    assert not out.exists()
     result = runner.invoke(fp8_convert, [str(src), str(out), "--scheme", "dynamic", "--kv-cache", "fp8",
                                          "--calibration", str(tmp_path / "missing.txt")])
     assert result.exit_code == 1 and "missing.txt: cannot read the calibration text" in result.stderr

@@ -89,5 +89,5 @@ def test_a_repeat_in_a_later_call_keeps_the_earlier_run():
     results = {"qwen3-8b/short/bf16": {"tok_s": 16000.0, "call": 1}, "qwen3-8b/short/old": {"tok_s": 1.0}}
     assert run_key(results, "qwen3-8b/short/bf16", 4) == "qwen3-8b/short/bf16@call4"
     assert run_key(results, "qwen3-8b/short/bf16", 1) == "qwen3-8b/short/bf16"
-    assert run_key(results, "qwen3-8b/short/old", 4) == "qwen3-8b/short/old"  # runs from before calls were recorded
+    assert run_key(results, "qwen3-8b/short/old", 4) == "qwen3-8b/short/old@call4"  # stored before calls were recorded
     assert run_key(results, "qwen3-8b/short/tensor", 4) == "qwen3-8b/short/tensor"

@@ -52,38 +52,77 @@ def calibration_samples(src_path: Path, calibration: str | Path | None, seq_len:
     return tokenizer, samples, calibration
 
 
+def checkpoint_prefix(module_name: str, checkpoint_keys) -> str:
+    """The checkpoint's name for the attention module transformers calls `module_name`: the prefix of the one
+    `k_proj.weight` whose name ends like it from `layers.` on (multimodal classes rename their language model,
+    e.g. `model.language_model.layers.0.self_attn` is `language_model.model.layers.0.self_attn` on disk)."""
+    tail = module_name[module_name.find("layers."):] if "layers." in module_name else module_name
+    matches = [k for k in checkpoint_keys if k == f"{tail}.k_proj.weight" or k.endswith(f".{tail}.k_proj.weight")]
+    if len(matches) != 1:
+        raise Fp8kitError(f"attention module {module_name}: {len(matches)} checkpoint tensors end in "
+                          f"{tail}.k_proj.weight, expected one; --kv-cache fp8 does not support this architecture")
+    return matches[0][: -len(".k_proj.weight")]
+
+
 def kv_cache_scales(src_path: Path, calibration: str | Path | None, device: torch.device, scale_dtype: torch.dtype,
-                    seq_len: int = 512) -> tuple[dict[str, torch.Tensor], int]:
+                    checkpoint_keys, seq_len: int = 512) -> tuple[dict[str, torch.Tensor], int]:
     """({"<attention module>.k_scale": amax(keys) / 448, ".v_scale": ...}, number of samples): the largest key and
     value each attention layer caches over the calibration text, as llm-compressor's static min-max observer
     measures them. The keys are what transformers hands its attention function: after the key norm and RoPE,
-    before grouped-query repetition, as vLLM caches them."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
+    before grouped-query repetition, as vLLM caches them. The model runs its own attention function and masks
+    (sliding windows, soft-capping), with an observer in front."""
+    import sys
+
+    from transformers import AttentionMaskInterface, AutoModelForCausalLM
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     _, samples, _ = calibration_samples(src_path, calibration, seq_len, "--kv-cache fp8")
-    attend = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src_path, dtype="auto", device_map=str(device))
+    except torch.OutOfMemoryError as e:
+        raise Fp8kitError(f"{src_path}: --kv-cache fp8 runs the whole model and it does not fit on {device}; "
+                          f"pass --device cpu") from e
+    original = model.config._attn_implementation  # what transformers picked for this model
+    names = {id(m): n for n, m in model.named_modules()}
     amax: dict[str, torch.Tensor] = {}
-    names: dict[int, str] = {}
 
     def observe(module, query, key, value, attention_mask, **kwargs):
         for kind, states in (("k", key), ("v", value)):
             name = f"{names[id(module)]}.{kind}_scale"
             m = states.detach().abs().amax().float()
             amax[name] = torch.maximum(amax.get(name, m), m)
+        # eager attention lives in each model's own module, not in the shared table
+        attend = (sys.modules[type(module).__module__].eager_attention_forward if original == "eager"
+                  else ALL_ATTENTION_FUNCTIONS[original])
         return attend(module, query, key, value, attention_mask, **kwargs)
 
-    AttentionInterface.register("fp8kit_kv_amax", observe)
-    model = AutoModelForCausalLM.from_pretrained(src_path, dtype="auto", device_map=str(device),
-                                                 attn_implementation="fp8kit_kv_amax")
-    names.update((id(m), n) for n, m in model.named_modules())
-    with torch.no_grad():
-        for ids in samples:
-            model(input_ids=torch.tensor([ids], device=device), use_cache=False)
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the weight conversion that follows streams in small pieces
+    # entries of this call only, removed afterwards. The mask entry must be global: transformers 5 builds no mask
+    # (so no sliding window) for an implementation missing from the mask table's _global_mapping
+    # (masking_utils._preprocess_mask_arguments).
+    observer = f"fp8kit_kv_amax_{id(amax)}"
+    ALL_ATTENTION_FUNCTIONS[observer] = observe
+    AttentionMaskInterface.register(observer, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    try:
+        model.set_attn_implementation(observer)
+        with torch.no_grad():
+            for ids in samples:
+                model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1)
+    except torch.OutOfMemoryError as e:
+        raise Fp8kitError(f"{src_path}: --kv-cache fp8 ran out of memory on {device} running the model over the "
+                          f"calibration text; pass --device cpu") from e
+    finally:
+        del ALL_ATTENTION_FUNCTIONS[observer]
+        AttentionMaskInterface._global_mapping.pop(observer, None)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the weight conversion that follows streams in small pieces
     if not amax:
         raise Fp8kitError(f"{src_path}: no attention layer ran through transformers' attention interface; "
                           f"--kv-cache fp8 does not support this architecture")
-    return {k: scale_from_amax(a, scale_dtype).reshape(1).cpu() for k, a in amax.items()}, len(samples)
+    keys = list(checkpoint_keys)
+    scales = {}
+    for name, a in amax.items():
+        module, _, leaf = name.rpartition(".")
+        scales[f"{checkpoint_prefix(module, keys)}.{leaf}"] = scale_from_amax(a, scale_dtype).reshape(1).cpu()
+    return scales, len(samples)

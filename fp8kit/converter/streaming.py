@@ -2,7 +2,8 @@
 
 Each shard's header is laid out from shapes first; weights are then read in row chunks of at most
 CHUNK_BYTES (as float32), quantized and written at their final offsets. Peak memory is therefore a few
-chunks whatever the model or shard size. Output is assembled in OUT.partial and renamed when complete.
+chunks whatever the model or shard size (except with `kv_cache`, whose calibration runs the whole model first).
+Output is assembled in OUT.partial and renamed when complete.
 """
 
 from __future__ import annotations
@@ -331,7 +332,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     if kv_cache:
         # in the weight scales' dtype, as llm-compressor writes them
         kv_dtype = DTYPES[tensors[sel.quantize[0] + ".weight"].dtype]
-        kv_scales, n = kv_cache_scales(src_path, calibration, dev, kv_dtype)
+        kv_scales, n = kv_cache_scales(src_path, calibration, dev, kv_dtype, tensors)
         config["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme()
         names = [f"model-{i + 1:05d}-of-{len(shards) + 1:05d}.safetensors" for i in range(len(shards) + 1)]
         warnings.append(f"FP8 KV-cache scales calibrated on {n} sequences from "
