@@ -1,7 +1,8 @@
 """vLLM serving throughput of fp8-convert checkpoints against BF16 and vLLM's own online FP8, one GPU.
 
 Makes a random-weight Qwen3-8B-shaped model on the GPU, converts it with fp8-convert to each scheme (a
-"+lm-head" suffix, e.g. tensor+lm-head, converts with --lm-head; a "+kv-fp8" suffix, e.g. tensor+kv-fp8 or
+"+lm-head" suffix, e.g. tensor+lm-head, converts with --lm-head; "+kv-scales" with --kv-cache fp8 (the checkpoint
+asks vLLM for an FP8 KV cache, with calibrated scales); a "+kv-fp8" suffix, e.g. tensor+kv-fp8 or
 bf16+kv-fp8, serves the same checkpoint with vLLM's FP8 KV cache, kv_cache_dtype="fp8"), and
 serves each variant in its own vLLM engine (a subprocess): output tokens/s for a workload of random
 prompt ids with fixed output lengths (ignore_eos), new prompts in every pass, the prompts' prefill time alone,
@@ -212,20 +213,21 @@ def build(workdir: Path, model: str) -> Path:
     arch, shape = MODELS[model]
     build_checkpoint(src, arch, torch.bfloat16, seed=0, device="cuda", **shape)
     torch.cuda.empty_cache()
-    # tensor-static calibrates on text
+    # tensor-static and +kv-scales calibrate on text
     add_tokenizer(src, (ROOT / "fp8kit/data/sample.txt").read_text() * 4, vocab_size=2048)
     return src
 
 
-def parse_variant(variant: str) -> tuple[str, bool, str]:
-    """(base, lm_head, kv_cache_dtype) of a variant name such as tensor+lm-head+kv-fp8."""
+def parse_variant(variant: str) -> tuple[str, bool, str, bool]:
+    """(base, lm_head, kv_cache_dtype, kv_scales) of a variant name such as tensor+lm-head+kv-fp8 or dynamic+kv-scales."""
     base, *suffixes = variant.split("+")
-    if set(suffixes) - {"lm-head", "kv-fp8"}:
-        raise SystemExit(f"variant {variant!r}: the suffixes are +lm-head and +kv-fp8")
-    lm_head = "lm-head" in suffixes
-    if lm_head and base in ("bf16", "vllm-online-fp8", "tensor-static-synthetic"):
-        raise SystemExit(f"variant {variant!r}: +lm-head applies to fp8-convert schemes only")
-    return base, lm_head, "fp8" if "kv-fp8" in suffixes else "auto"
+    if set(suffixes) - {"lm-head", "kv-fp8", "kv-scales"}:
+        raise SystemExit(f"variant {variant!r}: the suffixes are +lm-head, +kv-fp8 and +kv-scales")
+    lm_head, kv_scales = "lm-head" in suffixes, "kv-scales" in suffixes
+    for suffix, given in (("+lm-head", lm_head), ("+kv-scales", kv_scales)):
+        if given and base in ("bf16", "vllm-online-fp8", "tensor-static-synthetic"):
+            raise SystemExit(f"variant {variant!r}: {suffix} applies to fp8-convert schemes only")
+    return base, lm_head, "fp8" if "kv-fp8" in suffixes else "auto", kv_scales
 
 
 def main():
@@ -274,7 +276,7 @@ def main():
         report["model"] = {"name": args.model, **MODELS[args.model][1]}
     report.setdefault("commands", []).append("python evals/serve_bench.py " + " ".join(sys.argv[1:]))
     results = report.setdefault("runs", {})
-    for variant, (base, lm_head, kv_cache_dtype) in variants.items():
+    for variant, (base, lm_head, kv_cache_dtype, kv_scales) in variants.items():
         if base == "bf16":
             path, quantization = src, None
         elif base == "vllm-online-fp8":
@@ -285,12 +287,13 @@ def main():
                 convert(src, tensor_dir, scheme="tensor", device="cuda")
             path, quantization = with_static_scales(tensor_dir, workdir / f"{args.model}-{base}"), None
         else:
-            # fp8-convert --scheme BASE (--lm-head: lm_head in FP8 as well)
-            name = base + ("+lm-head" if lm_head else "")
+            # fp8-convert --scheme BASE (--lm-head: lm_head in FP8 as well; --kv-cache fp8: calibrated KV-cache
+            # scales, with which vLLM turns on its FP8 KV cache by itself)
+            name = base + ("+lm-head" if lm_head else "") + ("+kv-scales" if kv_scales else "")
             path, quantization = workdir / f"{args.model}-{name}", None
             if not (path / "config.json").exists():
                 t0 = time.perf_counter()
-                convert(src, path, scheme=base, device="cuda", lm_head=lm_head)
+                convert(src, path, scheme=base, device="cuda", lm_head=lm_head, kv_cache="fp8" if kv_scales else None)
                 results.setdefault(f"{args.model}/convert", {})[name] = {"seconds": time.perf_counter() - t0}
         if args.prepare:
             continue

@@ -6,13 +6,16 @@ from evals.serve_bench import parse_variant
 
 
 def test_variant_names():
-    assert parse_variant("tensor") == ("tensor", False, "auto")
-    assert parse_variant("tensor+lm-head+kv-fp8") == ("tensor", True, "fp8")
-    assert parse_variant("bf16+kv-fp8") == ("bf16", False, "fp8")
+    assert parse_variant("tensor") == ("tensor", False, "auto", False)
+    assert parse_variant("tensor+lm-head+kv-fp8") == ("tensor", True, "fp8", False)
+    assert parse_variant("bf16+kv-fp8") == ("bf16", False, "fp8", False)
+    assert parse_variant("dynamic+kv-scales") == ("dynamic", False, "auto", True)
     with pytest.raises(SystemExit, match="the suffixes are"):
         parse_variant("tensor+kv8")
-    with pytest.raises(SystemExit, match="fp8-convert schemes only"):
+    with pytest.raises(SystemExit, match=r"\+lm-head applies to fp8-convert schemes only"):
         parse_variant("vllm-online-fp8+lm-head")
+    with pytest.raises(SystemExit, match=r"\+kv-scales applies to fp8-convert schemes only"):
+        parse_variant("bf16+kv-scales")
 
 
 def test_every_pass_gets_new_prompts():
