@@ -176,3 +176,19 @@ def test_bad_kv_cache_requests_leave_nothing(tmp_path, llama_dir, qwen3_src):
                                          "--calibration", str(tmp_path / "missing.txt")])
     assert result.exit_code == 1 and "missing.txt: cannot read the calibration text" in result.stderr
     assert not out.exists()
+
+
+def test_kv_cache_value_and_out_of_memory(tmp_path, qwen3_src, monkeypatch):
+    import transformers
+
+    src, calibration = qwen3_src
+    with pytest.raises(Fp8kitError, match="--kv-cache 'int8': expected one of fp8"):
+        convert(src, tmp_path / "out", scheme="dynamic", kv_cache="int8")
+
+    def too_big(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", too_big)
+    with pytest.raises(Fp8kitError, match="ran out of memory on cpu; pass --device cpu"):
+        convert(src, tmp_path / "out", scheme="dynamic", kv_cache="fp8", calibration=calibration)
+    assert not (tmp_path / "out").exists()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from fp8kit.converter.formats import quantization_args
 from fp8kit.converter.schemes import scale_from_amax
 from fp8kit.errors import Fp8kitError
 
@@ -23,8 +24,6 @@ KV_CACHE_DTYPES = ("fp8",)
 
 def kv_cache_scheme() -> dict:
     """The `kv_cache_scheme` llm-compressor 0.14 writes for an FP8 per-tensor KV cache, field for field."""
-    from fp8kit.converter.formats import quantization_args
-
     return quantization_args("tensor", dynamic=False)
 
 
@@ -65,54 +64,52 @@ def checkpoint_prefix(module_name: str, checkpoint_keys) -> str:
 
 
 def kv_cache_scales(src_path: Path, calibration: str | Path | None, device: torch.device, scale_dtype: torch.dtype,
-                    checkpoint_keys, seq_len: int = 512) -> tuple[dict[str, torch.Tensor], int]:
-    """({"<attention module>.k_scale": amax(keys) / 448, ".v_scale": ...}, number of samples): the largest key and
-    value each attention layer caches over the calibration text, as llm-compressor's static min-max observer
-    measures them. The keys are what transformers hands its attention function: after the key norm and RoPE,
-    before grouped-query repetition, as vLLM caches them. The model runs its own attention function and masks
-    (sliding windows, soft-capping), with an observer in front."""
+                    checkpoint_keys, seq_len: int = 512) -> tuple[dict[str, torch.Tensor], str]:
+    """({"<attention module>.k_scale": amax(keys) / 448, ".v_scale": ...}, what they were calibrated on): the
+    largest key and value each attention layer caches over the calibration text, as llm-compressor's static
+    min-max observer measures them. The keys are what transformers hands its attention function: after the key
+    norm and RoPE, before grouped-query repetition, as vLLM caches them. The model runs its own attention function
+    and masks (sliding windows, soft-capping), with an observer in front."""
     import sys
 
     from transformers import AttentionMaskInterface, AutoModelForCausalLM
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    _, samples, _ = calibration_samples(src_path, calibration, seq_len, "--kv-cache fp8")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(src_path, dtype="auto", device_map=str(device))
-    except torch.OutOfMemoryError as e:
-        raise Fp8kitError(f"{src_path}: --kv-cache fp8 runs the whole model and it does not fit on {device}; "
-                          f"pass --device cpu") from e
-    original = model.config._attn_implementation  # what transformers picked for this model
-    names = {id(m): n for n, m in model.named_modules()}
+    _, samples, calibration = calibration_samples(src_path, calibration, seq_len, "--kv-cache fp8")
     amax: dict[str, torch.Tensor] = {}
-
-    def observe(module, query, key, value, attention_mask, **kwargs):
-        for kind, states in (("k", key), ("v", value)):
-            name = f"{names[id(module)]}.{kind}_scale"
-            m = states.detach().abs().amax().float()
-            amax[name] = torch.maximum(amax.get(name, m), m)
-        # eager attention lives in each model's own module, not in the shared table
-        attend = (sys.modules[type(module).__module__].eager_attention_forward if original == "eager"
-                  else ALL_ATTENTION_FUNCTIONS[original])
-        return attend(module, query, key, value, attention_mask, **kwargs)
-
     # entries of this call only, removed afterwards. The mask entry must be global: transformers 5 builds no mask
     # (so no sliding window) for an implementation missing from the mask table's _global_mapping
     # (masking_utils._preprocess_mask_arguments).
     observer = f"fp8kit_kv_amax_{id(amax)}"
-    ALL_ATTENTION_FUNCTIONS[observer] = observe
-    AttentionMaskInterface.register(observer, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    model = None
     try:
+        model = AutoModelForCausalLM.from_pretrained(src_path, dtype="auto", device_map=str(device))
+        original = model.config._attn_implementation  # what transformers picked for this model
+        names = {id(m): n for n, m in model.named_modules()}
+
+        def observe(module, query, key, value, attention_mask, **kwargs):
+            for kind, states in (("k", key), ("v", value)):
+                name = f"{names[id(module)]}.{kind}_scale"
+                m = states.detach().abs().amax().float()
+                amax[name] = torch.maximum(amax.get(name, m), m)
+            # eager attention lives in each model's own module, not in the shared table
+            attend = (sys.modules[type(module).__module__].eager_attention_forward if original == "eager"
+                      else ALL_ATTENTION_FUNCTIONS[original])
+            return attend(module, query, key, value, attention_mask, **kwargs)
+
+        ALL_ATTENTION_FUNCTIONS[observer] = observe
+        AttentionMaskInterface.register(observer, ALL_MASK_ATTENTION_FUNCTIONS[original])
         model.set_attn_implementation(observer)
         with torch.no_grad():
             for ids in samples:
                 model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1)
     except torch.OutOfMemoryError as e:
-        raise Fp8kitError(f"{src_path}: --kv-cache fp8 ran out of memory on {device} running the model over the "
-                          f"calibration text; pass --device cpu") from e
+        raise Fp8kitError(f"{src_path}: --kv-cache fp8 runs the whole model over the calibration text and ran out of "
+                          f"memory on {device}; pass --device cpu") from e
     finally:
-        del ALL_ATTENTION_FUNCTIONS[observer]
+        if observer in ALL_ATTENTION_FUNCTIONS:
+            del ALL_ATTENTION_FUNCTIONS[observer]
         AttentionMaskInterface._global_mapping.pop(observer, None)
         del model
         if device.type == "cuda":
@@ -125,4 +122,4 @@ def kv_cache_scales(src_path: Path, calibration: str | Path | None, device: torc
     for name, a in amax.items():
         module, _, leaf = name.rpartition(".")
         scales[f"{checkpoint_prefix(module, keys)}.{leaf}"] = scale_from_amax(a, scale_dtype).reshape(1).cpu()
-    return scales, len(samples)
+    return scales, f"{len(samples)} sequences from {calibration.name}"

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fp8kit.converter import source
-from fp8kit.converter.calibration import DEFAULT_CALIBRATION, KV_CACHE_DTYPES, kv_cache_scales, kv_cache_scheme
+from fp8kit.converter.calibration import KV_CACHE_DTYPES, kv_cache_scales, kv_cache_scheme
 from fp8kit.converter.formats import FORMATS, quantization_config, scale_name
 from fp8kit.converter.output import atomic_directory, check_out
 from fp8kit.converter.safetensors_io import (DTYPES, ITEMSIZE, OutTensor, TensorInfo, layout,
@@ -322,8 +322,9 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     sel = select(tensors, spec, list(ignore), lm_head=lm_head)
     jobs = _plan(tensors, set(sel.quantize), spec, format)
     shards = _shard(jobs, shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    files_out = len(shards) + (1 if kv_cache else 0)  # KV-cache scales: a shard of their own, last
+    names = (["model.safetensors"] if files_out == 1 else
+             [f"model-{i + 1:05d}-of-{files_out:05d}.safetensors" for i in range(files_out)])
     config["quantization_config"] = quantization_config(spec, format, sel.keep, lm_head=lm_head)
     bytes_in = sum(info.nbytes for info in tensors.values())
     if dev.type == "cuda":
@@ -332,11 +333,9 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     if kv_cache:
         # in the weight scales' dtype, as llm-compressor writes them
         kv_dtype = DTYPES[tensors[sel.quantize[0] + ".weight"].dtype]
-        kv_scales, n = kv_cache_scales(src_path, calibration, dev, kv_dtype, tensors)
+        kv_scales, calibrated_on = kv_cache_scales(src_path, calibration, dev, kv_dtype, tensors)
         config["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme()
-        names = [f"model-{i + 1:05d}-of-{len(shards) + 1:05d}.safetensors" for i in range(len(shards) + 1)]
-        warnings.append(f"FP8 KV-cache scales calibrated on {n} sequences from "
-                        f"{Path(calibration).name if calibration else DEFAULT_CALIBRATION.name}")
+        warnings.append(f"FP8 KV-cache scales calibrated on {calibrated_on}")
     inputs = _Inputs()
     from tqdm.auto import tqdm
 
@@ -350,7 +349,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
                 except OSError as e:
                     raise Fp8kitError(f"{out / name}: cannot write ({e.strerror}); free disk space or choose "
                                       f"another OUT") from e
-            if kv_scales:  # a shard of their own: the weight shards are laid out before they are measured
+            if kv_scales:  # measured after the weight shards were laid out, so not inside one
                 from safetensors.torch import save_file
 
                 save_file(kv_scales, partial / names[-1], metadata={"format": "pt"})
