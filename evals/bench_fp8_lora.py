@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -226,6 +227,8 @@ def main():
                      "fbgemm_gpu_genai": kernel_backends.version("fbgemm"),
                      "python": platform.python_version()},
         "command": "python evals/bench_fp8_lora.py " + " ".join(sys.argv[1:]),
+        # settings that change what is measured (the compiler's, the FP8 layer's) travel with the numbers
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("TORCHINDUCTOR_", "FP8KIT_"))},
         "config": {**QWEN3_8B, "layers": args.layers, "batch": args.batch, "seq": args.seq, "lora_rank": args.rank,
                    "lora_targets": list(PROJECTIONS), "optimizer": "AdamW on LoRA", "steps": args.steps},
         "best_backend": None, "speedup_vs_bf16": None, "weight_memory_ratio": None, "peak_memory_ratio_vs_bf16": None,

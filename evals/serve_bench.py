@@ -108,14 +108,21 @@ def run_engine(path: Path, workload: str, quantization: str | None, engine_env: 
     log = stdout + stderr
     if returncode != 0:
         return {"error": [l for l in log.splitlines() if "Error" in l][-3:], "wall_s": time.perf_counter() - t0}
-    result = json.loads(log.split("@@RESULT@@")[1])
-    weights = re.findall(r"Model loading took ([\d.]+) GiB", log)
-    result["weight_gib"] = float(weights[-1]) if weights else None
-    result["kernels"] = sorted(set(re.findall(r"Selected (\w+) for (\w+)", log)))
-    kv_tokens = re.findall(r"GPU KV cache size: ([\d,]+) tokens", log)
-    result["kv_cache_tokens"] = int(kv_tokens[-1].replace(",", "")) if kv_tokens else None
+    result = {**json.loads(log.split("@@RESULT@@")[1]), **engine_log_facts(log)}
     result["wall_s"] = time.perf_counter() - t0
     return result
+
+
+def engine_log_facts(log: str) -> dict:
+    """What vLLM's log says about an engine: weight GiB, the linear kernels it selected, KV-cache tokens, and its
+    warnings about KV-cache scales ("Using KV cache scaling factor 1.0" when an FP8 KV cache finds no k/v scales
+    in the checkpoint, model_executor/layers/quantization/kv_cache.py; evals/vllm_load.py checks loaded ones)."""
+    weights = re.findall(r"Model loading took ([\d.]+) GiB", log)
+    kv_tokens = re.findall(r"GPU KV cache size: ([\d,]+) tokens", log)
+    return {"weight_gib": float(weights[-1]) if weights else None,
+            "kernels": sorted(set(re.findall(r"Selected (\w+) for (\w+)", log))),
+            "kv_cache_tokens": int(kv_tokens[-1].replace(",", "")) if kv_tokens else None,
+            "kv_scale_log": sorted({l.split("] ", 1)[-1].strip() for l in log.splitlines() if "scaling factor" in l})}
 
 
 def with_static_scales(tensor_dir: Path, out: Path) -> Path:

@@ -3,10 +3,12 @@
 Builds a Qwen3-shaped random model, converts it with each scheme/format, starts vLLM on each (one
 subprocess per engine), greedy-generates from token ids, scores the prompt tokens against the BF16
 source in the same vLLM, and records the linear kernel vLLM selected. Also tries block FP8 on a model
-whose MLP width is not a multiple of 128, in our layout and in llm-compressor's (partial blocks).
+whose MLP width is not a multiple of 128, in our layout and in llm-compressor's (partial blocks), and a
+`--kv-cache fp8` checkpoint, whose per-layer K/V scales must be the ones vLLM's attention layers use.
 
     python evals/vllm_load.py --prepare-odd DIR        # on CPU, with llm-compressor: odd model + its FP8_BLOCK
     python evals/vllm_load.py --odd DIR --out evals/results/vllm_load.json   # on the GPU, with vLLM
+    python evals/vllm_load.py --variants bf16,dynamic/compressed-tensors+kv-fp8 --out ...   # some of them
 """
 
 from __future__ import annotations
@@ -53,12 +55,40 @@ def engine(path: str) -> dict:
                 found[type(holder).__name__] = type(kernel).__name__
         return found
 
+    def kv_scales(model):
+        # the scales vLLM's FP8 KV cache quantizes with, set after loading (quantization/kv_cache.py)
+        return {name: [module._k_scale_float, module._v_scale_float, str(module.kv_cache_dtype)]
+                for name, module in model.named_modules() if hasattr(module, "_k_scale_float")}
+
     selected = llm.apply_model(kernels)[0]
+    loaded_kv = llm.apply_model(kv_scales)[0]
     params = SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=0, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     prompt_lp = [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs]
     return {"load_s": load_s, "kernels": selected, "generated": [list(o.outputs[0].token_ids) for o in outs],
-            "prompt_logprobs": prompt_lp}
+            "prompt_logprobs": prompt_lp, "kv_cache_scales": loaded_kv}
+
+
+def kv_scale_agreement(checkpoint: Path, loaded: dict) -> dict:
+    """The checkpoint's k_scale/v_scale against those vLLM's attention layers use ({vLLM module name: [k, v,
+    kv_cache_dtype]}; vLLM's `...self_attn.attn` holds the checkpoint's `...self_attn.k_scale`)."""
+    from safetensors import safe_open
+
+    stored = {}
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(f, "pt") as sf:
+            stored.update({k: sf.get_tensor(k).float().item() for k in sf.keys() if k.endswith((".k_scale", ".v_scale"))})
+    mismatched, matched = [], 0
+    for name, (k, v, _) in sorted(loaded.items()):
+        base = name.removesuffix(".attn")
+        for kind, value in (("k_scale", k), ("v_scale", v)):
+            want = stored.get(f"{base}.{kind}")
+            if want is None or value != want:
+                mismatched.append([f"{base}.{kind}", want, value])
+            else:
+                matched += 1
+    return {"checkpoint_scales": len(stored), "layers": len(loaded), "scales_equal": matched,
+            "mismatched": mismatched[:8], "kv_cache_dtypes": sorted({d for _, _, d in loaded.values()})}
 
 
 def run_engine(path: Path) -> dict:
@@ -66,9 +96,9 @@ def run_engine(path: Path) -> dict:
     t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, __file__, "--engine", str(path)], env=env, capture_output=True,
-                              text=True, timeout=150)
+                              text=True, timeout=300)
     except subprocess.TimeoutExpired:
-        return {"ok": False, "error": ["engine did not finish within 150 s"]}
+        return {"ok": False, "error": ["engine did not finish within 300 s"]}
     log = proc.stdout + proc.stderr
     result = {"ok": proc.returncode == 0, "wall_s": round(time.perf_counter() - t0, 1),
               "selected_log": sorted(set(re.findall(r"Selected (\w+) for (\w+)", log)))}
@@ -99,6 +129,7 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "evals/results/vllm_load.json"))
     ap.add_argument("--odd", help="directory made by --prepare-odd")
     ap.add_argument("--prepare-odd", help="write the odd-MLP model and llm-compressor's FP8_BLOCK of it here")
+    ap.add_argument("--variants", help="comma-separated names of the variants to run (default: all)")
     args = ap.parse_args()
     if args.prepare_odd:
         prepare_odd(Path(args.prepare_odd))
@@ -111,27 +142,39 @@ def main():
     import vllm
 
     from fp8kit import convert
-    from fp8kit.models import build_checkpoint
+    from fp8kit.models import add_tokenizer, build_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="vllm-load-"))
     src = build_checkpoint(work / "qwen3", "qwen3", torch.bfloat16, seed=0, **QWEN3_SHAPE)
-    variants = {"bf16": src}
+    add_tokenizer(src, (ROOT / "fp8kit/data/sample.txt").read_text(), vocab_size=2048)  # --kv-cache calibrates on text
+    made = {"bf16": lambda: src}
     for scheme, fmt in [("dynamic", "compressed-tensors"), ("block", "compressed-tensors"),
                         ("tensor", "compressed-tensors"), ("block", "fp8"), ("tensor", "fp8")]:
-        variants[f"{scheme}/{fmt}"] = Path(convert(src, work / f"{scheme}-{fmt}", scheme=scheme, format=fmt).out)
+        made[f"{scheme}/{fmt}"] = lambda scheme=scheme, fmt=fmt: Path(
+            convert(src, work / f"{scheme}-{fmt}", scheme=scheme, format=fmt).out)
+    made["dynamic/compressed-tensors+kv-fp8"] = lambda: Path(
+        convert(src, work / "dynamic-kv", scheme="dynamic", kv_cache="fp8").out)
     if args.odd:
         odd = Path(args.odd)
-        variants["bf16-odd"] = odd / "src"
-        variants["block/compressed-tensors odd-mlp (ours: MLP kept bf16)"] = Path(
+        made["bf16-odd"] = lambda: odd / "src"
+        made["block/compressed-tensors odd-mlp (ours: MLP kept bf16)"] = lambda: Path(
             convert(odd / "src", work / "odd-block", scheme="block").out)
-        variants["block/compressed-tensors odd-mlp (llm-compressor: partial blocks)"] = odd / "llmc-block"
+        made["block/compressed-tensors odd-mlp (llm-compressor: partial blocks)"] = lambda: odd / "llmc-block"
+    wanted = args.variants.split(",") if args.variants else list(made)
+    if unknown := [v for v in wanted if v not in made]:
+        raise SystemExit(f"--variants: unknown {unknown}; known: {list(made)}")
+    variants = {name: made[name]() for name in wanted}
 
     results = {}
     for name, path in variants.items():
         results[name] = run_engine(path)
-        print(name, {k: v for k, v in results[name].items() if k not in ("generated", "prompt_logprobs")}, flush=True)
+        print(name, {k: v for k, v in results[name].items() if k not in ("generated", "prompt_logprobs", "kv_cache_scales")},
+              flush=True)
     for name, r in results.items():  # prompt-token logprob drift against the matching BF16 engine
-        base = results["bf16-odd" if "odd" in name else "bf16"]
+        if r.get("ok") and "kv-fp8" in name:
+            r["kv_scale_agreement"] = kv_scale_agreement(variants[name], r["kv_cache_scales"])
+        r.pop("kv_cache_scales", None)
+        base = results.get("bf16-odd" if "odd" in name else "bf16", {})
         if r.get("ok") and base.get("ok") and name not in ("bf16", "bf16-odd"):
             diffs = [abs(a - b) for pa, pb in zip(r["prompt_logprobs"], base["prompt_logprobs"]) for a, b in zip(pa, pb)]
             r["prompt_logprob_mean_abs_diff_vs_bf16"] = sum(diffs) / len(diffs)

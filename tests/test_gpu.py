@@ -1,4 +1,10 @@
-"""The CUDA path of the converter computes the same bytes as the CPU path."""
+"""The CUDA path of the converter computes the same bytes as the CPU path; vLLM serves the scales it wrote."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,3 +20,22 @@ def test_cuda_conversion_equals_cpu(llama_dir, tmp_path, scheme, fmt):
     assert report.device.startswith("cuda") and report.peak_gpu_bytes > 0
     for path in sorted((tmp_path / "cpu").iterdir()):
         assert path.read_bytes() == (tmp_path / "gpu" / path.name).read_bytes(), path.name
+
+
+@pytest.mark.gpu
+def test_vllm_uses_the_kv_cache_scales(tmp_path):
+    """A --kv-cache fp8 checkpoint turns on vLLM's FP8 KV cache with the checkpoint's per-layer scales."""
+    pytest.importorskip("vllm")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "vllm_load.json"
+    proc = subprocess.run([sys.executable, str(root / "evals/vllm_load.py"), "--variants",
+                           "bf16,dynamic/compressed-tensors+kv-fp8", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(out.read_text())["results"]["dynamic/compressed-tensors+kv-fp8"]
+    assert run["ok"], run
+    agreement = run["kv_scale_agreement"]
+    assert agreement["mismatched"] == [] and agreement["kv_cache_dtypes"] == ["fp8"]
+    assert agreement["scales_equal"] == agreement["checkpoint_scales"] == 2 * agreement["layers"] > 0
+    assert run["prompt_logprob_mean_abs_diff_vs_bf16"] < 0.5

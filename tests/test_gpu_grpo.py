@@ -18,7 +18,8 @@ def test_vllm_shares_the_trainers_weights(tmp_path, variant):
     out = tmp_path / "grpo.json"
     proc = subprocess.run([sys.executable, str(ROOT / "evals/grpo_gpu.py"), "--shape", "tiny", "--variants", variant,
                            "--steps", "3", "--skip-standalone", "--workdir", str(tmp_path), "--out", str(out)],
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(out.read_text())["runs"][f"tiny/{variant}"]
     assert "error" not in run, run

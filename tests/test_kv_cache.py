@@ -162,6 +162,28 @@ def test_rl_loader_reads_a_kv_cache_checkpoint(tmp_path, qwen3_src):
     assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, model.config.vocab_size)
 
 
+def test_vllm_scale_check_pairs_attention_layers_with_checkpoint_names(tmp_path, qwen3_src):
+    """evals/vllm_load.py's check on the GPU (tests/test_gpu.py runs it in vLLM): vLLM's `...self_attn.attn`
+    layers against the checkpoint's `...self_attn.k_scale`/`v_scale`; a changed or absent scale is reported."""
+    from evals.vllm_load import kv_scale_agreement
+
+    src, calibration = qwen3_src
+    convert(src, tmp_path / "dyn", scheme="dynamic", kv_cache="fp8", calibration=calibration)
+    stored = {k: v.float().item() for k, v in kv_scales(tmp_path / "dyn").items()}
+    layers = sorted({k.rsplit(".", 1)[0] for k in stored})
+    loaded = {f"{layer}.attn": [stored[f"{layer}.k_scale"], stored[f"{layer}.v_scale"], "fp8"] for layer in layers}
+    agreement = kv_scale_agreement(tmp_path / "dyn", loaded)
+    assert agreement["layers"] == len(layers) == 2 and agreement["checkpoint_scales"] == 4
+    assert agreement["scales_equal"] == 4 and agreement["mismatched"] == [] and agreement["kv_cache_dtypes"] == ["fp8"]
+    loaded[f"{layers[0]}.attn"][1] = 1.0  # vLLM's value when it finds no scale
+    loaded["model.layers.9.self_attn.attn"] = [0.5, 0.5, "fp8"]
+    agreement = kv_scale_agreement(tmp_path / "dyn", loaded)
+    assert agreement["scales_equal"] == 3
+    assert agreement["mismatched"] == [[f"{layers[0]}.v_scale", stored[f"{layers[0]}.v_scale"], 1.0],
+                                       ["model.layers.9.self_attn.k_scale", None, 0.5],
+                                       ["model.layers.9.self_attn.v_scale", None, 0.5]]
+
+
 def test_bad_kv_cache_requests_leave_nothing(tmp_path, llama_dir, qwen3_src):
     src, _ = qwen3_src
     out = tmp_path / "out"

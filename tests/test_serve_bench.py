@@ -2,7 +2,7 @@
 
 import pytest
 
-from evals.serve_bench import parse_variant
+from evals.serve_bench import engine_log_facts, parse_variant
 
 
 def test_variant_names():
@@ -94,3 +94,24 @@ def test_a_repeat_in_a_later_call_keeps_the_earlier_run():
     assert run_key(results, "qwen3-8b/short/bf16", 1) == "qwen3-8b/short/bf16"
     assert run_key(results, "qwen3-8b/short/old", 4) == "qwen3-8b/short/old@call4"  # stored before calls were recorded
     assert run_key(results, "qwen3-8b/short/tensor", 4) == "qwen3-8b/short/tensor"
+
+
+def test_engine_log_facts():
+    """Lines as vLLM 0.25 writes them (two engines' worth: the last figures count)."""
+    log = "\n".join([
+        "INFO 11-23 17:41:02 [gpu_model_runner.py:4120] Model loading took 9.1 GiB memory and 3.2 seconds",
+        "INFO 11-23 17:41:02 [gpu_model_runner.py:4120] Model loading took 8.8 GiB memory and 3.1 seconds",
+        "INFO 11-23 17:41:01 [compressed_tensors_w8a8_fp8.py:77] Selected CutlassFP8ScaledMMLinearKernel for "
+        "CompressedTensorsW8A8Fp8",
+        "INFO 11-23 17:41:01 [compressed_tensors_w8a8_fp8.py:77] Selected CutlassFP8ScaledMMLinearKernel for "
+        "CompressedTensorsW8A8Fp8",
+        "INFO 11-23 17:43:34 [kv_cache_utils.py:2146] GPU KV cache size: 825,887 tokens",
+        "WARNING 11-23 17:43:30 [kv_cache.py:151] Using KV cache scaling factor 1.0 for fp8_e4m3. If this is "
+        "unintended, verify that k/v_scale scaling factors are properly set in the checkpoint.",
+    ])
+    facts = engine_log_facts(log)
+    assert facts["weight_gib"] == 8.8 and facts["kv_cache_tokens"] == 825887
+    assert facts["kernels"] == [("CutlassFP8ScaledMMLinearKernel", "CompressedTensorsW8A8Fp8")]
+    assert facts["kv_scale_log"] == ["Using KV cache scaling factor 1.0 for fp8_e4m3. If this is unintended, verify "
+                                     "that k/v_scale scaling factors are properly set in the checkpoint."]
+    assert engine_log_facts("") == {"weight_gib": None, "kernels": [], "kv_cache_tokens": None, "kv_scale_log": []}
