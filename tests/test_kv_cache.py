@@ -214,3 +214,19 @@ def test_kv_cache_value_and_out_of_memory(tmp_path, qwen3_src, monkeypatch):
     with pytest.raises(Fp8kitError, match="ran out of memory on cpu; pass --device cpu"):
         convert(src, tmp_path / "out", scheme="dynamic", kv_cache="fp8", calibration=calibration)
     assert not (tmp_path / "out").exists()
+
+
+def test_attention_outside_transformers_interface_is_refused(tmp_path, qwen3_src, monkeypatch):
+    """An attention module that never calls transformers' attention interface (as remote-code models may) leaves
+    nothing to measure: a clear error and no output, instead of a checkpoint without scales."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    src, calibration = qwen3_src
+
+    def own_attention(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        return self.o_proj(self.q_proj(hidden_states)), None  # Qwen3 here: q_proj's width is o_proj's input
+
+    monkeypatch.setattr(modeling_qwen3.Qwen3Attention, "forward", own_attention)
+    with pytest.raises(Fp8kitError, match="no attention layer ran through transformers' attention interface"):
+        convert(src, tmp_path / "out", scheme="dynamic", kv_cache="fp8", calibration=calibration)
+    assert not (tmp_path / "out").exists()
