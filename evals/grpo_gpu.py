@@ -189,7 +189,7 @@ def engine_kwargs(variant: str) -> dict:
     the bytes. `fp8-nocasts` compiles with vLLM's default settings (`compilation_config={}`), where Inductor drops
     the BF16 rounding between vLLM's native RMSNorm (or SiLU-and-mul) and its FP8 activation quantization, which
     the runtime keeps for FP8 checkpoints (fp8kit.rl.vllm_engine.KEEP_PRECISION_CASTS). Dropping it changes
-    about 2-3% of the FP8 codes (evals/mismatch_sources.py); keeping it cut the mismatch KL from 0.0194 to 0.0145
+    about 2-3% of the FP8 codes (evals/mismatch_sources.py); keeping it cut the mismatch KL from 0.0195 to 0.0145
     on an H100 (results/grpo_gpu_h100_casts.json)."""
     if variant == "fp8-kv8":
         return {"kv_cache_memory_bytes": KV_CACHE_BYTES // 2, "kv_cache_dtype": "fp8"}

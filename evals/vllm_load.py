@@ -138,15 +138,10 @@ def main():
         print("@@RESULT@@" + json.dumps(engine(args.engine)) + "@@RESULT@@")
         return
 
-    import torch
-    import vllm
-
     from fp8kit import convert
     from fp8kit.models import add_tokenizer, build_checkpoint
 
-    work = Path(tempfile.mkdtemp(prefix="vllm-load-"))
-    src = build_checkpoint(work / "qwen3", "qwen3", torch.bfloat16, seed=0, **QWEN3_SHAPE)
-    add_tokenizer(src, (ROOT / "fp8kit/data/sample.txt").read_text(), vocab_size=2048)  # --kv-cache calibrates on text
+    # each variant's checkpoint, made only if asked for (the names are checked before any model is built)
     made = {"bf16": lambda: src}
     for scheme, fmt in [("dynamic", "compressed-tensors"), ("block", "compressed-tensors"),
                         ("tensor", "compressed-tensors"), ("block", "fp8"), ("tensor", "fp8")]:
@@ -163,6 +158,13 @@ def main():
     wanted = args.variants.split(",") if args.variants else list(made)
     if unknown := [v for v in wanted if v not in made]:
         raise SystemExit(f"--variants: unknown {unknown}; known: {list(made)}")
+
+    import torch
+    import vllm
+
+    work = Path(tempfile.mkdtemp(prefix="vllm-load-"))
+    src = build_checkpoint(work / "qwen3", "qwen3", torch.bfloat16, seed=0, **QWEN3_SHAPE)
+    add_tokenizer(src, (ROOT / "fp8kit/data/sample.txt").read_text(), vocab_size=2048)  # --kv-cache calibrates on text
     variants = {name: made[name]() for name in wanted}
 
     results = {}

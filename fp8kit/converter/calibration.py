@@ -10,6 +10,7 @@ the one step of a streaming conversion that holds the whole model (on the conver
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -70,8 +71,6 @@ def kv_cache_scales(src_path: Path, calibration: str | Path | None, device: torc
     min-max observer measures them. The keys are what transformers hands its attention function: after the key
     norm and RoPE, before grouped-query repetition, as vLLM caches them. The model runs its own attention function
     and masks (sliding windows, soft-capping), with an observer in front."""
-    import sys
-
     from transformers import AttentionMaskInterface, AutoModelForCausalLM
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
