@@ -3,7 +3,8 @@
 A stack of Qwen3-8B-shaped decoder layers (hidden 4096, MLP 12288, 32 heads, 8 KV heads, head dim 128),
 LoRA rank 32 on every projection; forward + backward of a batch, tokens/s and peak memory, for BF16 (fp8kit's
 LoRA layer and PEFT's forward) and for FP8 with each backend and scheme, eager and under torch.compile, with the
-exact or the FP8 input gradient. Each FP8 row is compared with the faster BF16 row of its own mode. Backends this
+exact or the FP8 input gradient (fp8bwd), with the layer's default fast accumulation or float32 promotion
+(f32acc). Each FP8 row is compared with the faster BF16 row of its own mode. Backends this
 machine cannot run (fbgemm-gpu-genai or torchao missing, a scheme the library or GPU lacks) get a row with the
 reason instead of numbers. Writes evals/results/fp8_lora.json, rewritten after every variant so that a run cut
 short keeps what it measured.
@@ -75,8 +76,11 @@ def build(layers: int, variant: str, rank: int):
         else:
             scheme, backend, *option = variant.split("/")
             q, s = quantize_weight(module.weight.detach(), SCHEMES[scheme], torch.float32)
+            unknown = set(option) - {"fp8bwd", "f32acc"}
+            if unknown:
+                raise ValueError(f"variant {variant!r}: unknown option {sorted(unknown)}; expected fp8bwd, f32acc")
             new = FP8LoRALinear(q, s, scheme, rank=rank, alpha=2 * rank, dtype=torch.bfloat16, backend=backend,
-                                fp8_backward=option == ["fp8bwd"])
+                                fp8_backward="fp8bwd" in option, fast_accum=False if "f32acc" in option else None)
         setattr(model.get_submodule(parent), leaf, new)
         del module
     for n, p in model.named_parameters():
@@ -155,7 +159,7 @@ def profile(step, top: int = 30) -> dict:
 DEFAULT_VARIANTS = ("bf16,bf16-peft,dynamic/torch,dynamic/triton,dynamic/triton/fp8bwd,block/torch,block/triton,"
                     "block/triton/fp8bwd,tensor/triton,tensor/triton/fp8bwd,"
                     "bf16+compile,bf16-peft+compile,dynamic/triton+compile,dynamic/triton/fp8bwd+compile,"
-                    "tensor/triton/fp8bwd+compile,"
+                    "tensor/triton/fp8bwd+compile,dynamic/torch/fp8bwd+compile,dynamic/triton/fp8bwd/f32acc+compile,"
                     "dynamic/fbgemm,block/fbgemm,tensor/fbgemm,dynamic/torchao,tensor/torchao,block/torchao")
 
 
@@ -202,8 +206,9 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS,
-                    help="comma-separated: bf16, bf16-peft and scheme/backend[/fp8bwd], each optionally +compile "
-                         "(fp8bwd: the input-gradient GEMM in FP8 too; +compile: torch.compile each decoder layer)")
+                    help="comma-separated: bf16, bf16-peft and scheme/backend[/fp8bwd][/f32acc], each optionally "
+                         "+compile (fp8bwd: the input-gradient GEMM in FP8 too; f32acc: FP8 GEMMs without fast "
+                         "accumulation; +compile: torch.compile each decoder layer)")
     ap.add_argument("--profile", action="store_true", help="add each variant's GPU time per kernel for one step")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new variant after this many seconds (those left get a 'skipped' row)")
@@ -213,7 +218,7 @@ def main():
     import triton
 
     from fp8kit.rl import kernel_backends
-    from fp8kit.rl.fp8_linear import available_backends, pick_backend
+    from fp8kit.rl.fp8_linear import available_backends, flag_from_env, pick_backend
 
     start = time.perf_counter()
     backends = available_backends("cuda")
@@ -233,6 +238,7 @@ def main():
                    "lora_targets": list(PROJECTIONS), "optimizer": "AdamW on LoRA", "steps": args.steps},
         "best_backend": None, "speedup_vs_bf16": None, "weight_memory_ratio": None, "peak_memory_ratio_vs_bf16": None,
         "default_backend": pick_backend(torch.device("cuda")),
+        "default_fast_accum": flag_from_env("FP8KIT_FAST_ACCUM", True, "on", "off"),
         "backends": backends,
         "results": rows,
     }

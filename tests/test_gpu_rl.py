@@ -10,11 +10,11 @@ from fp8kit.rl.fp8_linear import quantize_activation
 pytestmark = pytest.mark.gpu
 
 
-def layer(scheme, backend, seed=0, fp8_backward=False):
+def layer(scheme, backend, seed=0, fp8_backward=False, fast_accum=None):
     g = torch.Generator().manual_seed(seed)
     w_q, w_s = quantize_weight(torch.randn(1024, 2048, generator=g) * 0.02, SCHEMES[scheme], torch.float32)
     m = FP8LoRALinear(w_q, w_s, scheme, rank=16, alpha=32, dtype=torch.bfloat16, backend=backend,
-                      fp8_backward=fp8_backward)
+                      fp8_backward=fp8_backward, fast_accum=fast_accum)
     with torch.no_grad():
         m.lora_A.copy_(torch.randn(16, 2048, generator=g) * 0.02)
         m.lora_B.copy_(torch.randn(1024, 16, generator=g) * 0.02)
@@ -32,10 +32,10 @@ def test_triton_quantizer_writes_torch_bytes(scheme):
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
 
 
-def _matches_reference(scheme, backend, fp8_backward=False):
+def _matches_reference(scheme, backend, fp8_backward=False, fast_accum=None):
     x = (torch.randn(4, 256, 2048, device="cuda") * 2).to(torch.bfloat16)
     ref_layer = layer(scheme, "reference", fp8_backward=fp8_backward)
-    gpu_layer = layer(scheme, backend, fp8_backward=fp8_backward)
+    gpu_layer = layer(scheme, backend, fp8_backward=fp8_backward, fast_accum=fast_accum)
     xr, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
     yr, yg = ref_layer(xr), gpu_layer(xg)
     # same FP8 operands; float32 accumulation in another order, then one bf16 rounding
@@ -55,8 +55,10 @@ def test_cuda_backends_match_reference(scheme, backend):
 
 @pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_fp8_backward_matches_reference(scheme, backend):
-    _matches_reference(scheme, backend, fp8_backward=True)
+@pytest.mark.parametrize("fast_accum", [True, False])
+def test_fp8_backward_matches_reference(scheme, backend, fast_accum):
+    """The float32 reference within the same tolerances with and without fast accumulation (the default)."""
+    _matches_reference(scheme, backend, fp8_backward=True, fast_accum=fast_accum)
 
 
 @pytest.mark.parametrize("scheme", ["dynamic", "block"])
@@ -72,6 +74,24 @@ def test_triton_grad_quantizer_and_transpose_write_torch_bytes(scheme):
     assert torch.equal(s1, s2) and torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
     w = (torch.randn(384, 200, device="cuda") * 50).to(torch.float8_e4m3fn)  # sizes that are not tile multiples
     assert torch.equal(transpose_fp8(w).view(torch.uint8), w.t().contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_compiled_layer_matches_eager(backend):
+    """Under torch.compile the triton backend calls its quantizer as an opaque operator and the torch backend's
+    quantization is fused by Inductor; both must compute the eager layer's function, gradients included."""
+    torch._dynamo.reset()
+    eager, compiled = layer("dynamic", backend, fp8_backward=True), layer("dynamic", backend, fp8_backward=True)
+    fn = torch.compile(compiled, fullgraph=True)
+    x = (torch.randn(2, 384, 2048, device="cuda") * 2).to(torch.bfloat16)
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ye, yc = eager(xe), fn(xc)
+    assert ((yc.float() - ye.float()).norm() / ye.float().norm()) < 2e-3
+    up = torch.randn_like(ye)
+    (ye * up).sum().backward()
+    (yc * up).sum().backward()
+    for a, b in [(xc.grad, xe.grad), (compiled.lora_A.grad, eager.lora_A.grad), (compiled.lora_B.grad, eager.lora_B.grad)]:
+        assert ((a.float() - b.float()).norm() / b.float().norm()) < 5e-3
 
 
 LIBRARIES = {"fbgemm": "fbgemm_gpu", "torchao": "torchao"}

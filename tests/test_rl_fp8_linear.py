@@ -372,6 +372,38 @@ def test_unreadable_fp8_backward_setting_is_refused(monkeypatch):
     assert not FP8LoRALinear(w_q, w_s, "dynamic", rank=4, dtype=torch.float32, backend="reference").fp8_backward
 
 
+def test_fast_accumulation_reaches_every_row_wise_gemm(monkeypatch):
+    """fast_accum (on unless FP8KIT_FAST_ACCUM=0 or the argument says otherwise) is what torch._scaled_mm gets, in
+    the forward GEMM and in the FP8 input-gradient GEMM; recorded here with a float32 stand-in for the CUDA kernel."""
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+    from fp8kit.errors import Fp8kitError
+
+    seen = []
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
+        seen.append(use_fast_accum)
+        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    w_q, w_s = quantize_weight(torch.randn(64, 128), SCHEMES["dynamic"], torch.float32)
+
+    def run(**kw):
+        seen.clear()
+        m = FP8LoRALinear(w_q, w_s, "dynamic", rank=4, dtype=torch.float32, backend="torch", fp8_backward=True, **kw)
+        x = torch.randn(3, 128, requires_grad=True)
+        m(x).sum().backward()
+        return m.fast_accum, list(seen)
+
+    assert run() == (True, [True, True])
+    assert run(fast_accum=False) == (False, [False, False])
+    monkeypatch.setenv("FP8KIT_FAST_ACCUM", "0")
+    assert run() == (False, [False, False])
+    assert run(fast_accum=True) == (True, [True, True])
+    monkeypatch.setenv("FP8KIT_FAST_ACCUM", "fast")
+    with pytest.raises(Fp8kitError, match="FP8KIT_FAST_ACCUM='fast'"):
+        run()
+
+
 def test_fp8_lm_head_loads_as_fp8_and_matches_transformers(llama_dir, tmp_path):
     out = convert(llama_dir, tmp_path / "out", scheme="dynamic", lm_head=True).out
     with quiet(), torch.no_grad():

@@ -5,7 +5,7 @@ Triton twin) and the stored weight, [out, in] float8_e4m3fn with its float32 sca
 backend does; only the GEMM kernel differs. Supported (backend, scheme) pairs:
 
 fbgemm (fbgemm-gpu-genai 1.6, CUTLASS; writes bfloat16 only, so the layer dtype must be bfloat16):
-  dynamic  torch.ops.fbgemm.f8f8bf16_rowwise(xq, W, xs [M], ws [N], use_fast_accum=False)    SM90, SM100
+  dynamic  torch.ops.fbgemm.f8f8bf16_rowwise(xq, W, xs [M], ws [N], use_fast_accum)           SM90, SM100
   tensor   the same rowwise kernel: per-token activations, the weight's one scale broadcast to [N]
            (acc * ws * xs, float32 epilogue), so no approximation                             SM90, SM100
   block    torch.ops.fbgemm.f8f8bf16_groupwise: 1x128 activation groups x 128x128 weight blocks, scales
@@ -21,7 +21,7 @@ torchao (0.18):
            tensor-wise FP8 inference GEMM. It calls torch._scaled_mm, i.e. the same cuBLAS kernel as the
            torch and triton backends (torchao 0.18 has no row-wise FP8 GEMM of its own; its other choice,
            mslk, is a separate package). Any output dtype.                                    SM89+
-Every GEMM accumulates in float32 (fbgemm's use_fast_accum=False; the block kernels promote per 128-K).
+The row-wise GEMMs take the layer's fast_accum (fp8_linear.fp8_matmul); the block kernels promote per 128-K.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ def check(backend: str, scheme: str, device: torch.device, out_dtype: torch.dtyp
 
 
 def matmul(backend: str, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, scheme: str,
-           out_dtype: torch.dtype) -> torch.Tensor:
-    """(xq * xs) @ (weight * ws).T with the backend's kernel; shapes as fp8_linear.fp8_matmul."""
+           out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """(xq * xs) @ (weight * ws).T with the backend's kernel; shapes and fast_accum as fp8_linear.fp8_matmul."""
     M, N = xq.shape[0], weight.shape[0]
     weight = weight.contiguous()
     if backend == "fbgemm":
@@ -129,7 +129,7 @@ def matmul(backend: str, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tenso
         else:  # per token x per channel (fp8_matmul hands per-tensor weights over with the scale broadcast)
             x_scale = xs.reshape(-1).expand(M).contiguous()
             w_scale = ws.float().reshape(-1).expand(N).contiguous()
-            y = torch.ops.fbgemm.f8f8bf16_rowwise(xq.contiguous(), weight, x_scale, w_scale, use_fast_accum=False)
+            y = torch.ops.fbgemm.f8f8bf16_rowwise(xq.contiguous(), weight, x_scale, w_scale, use_fast_accum=fast_accum)
     elif backend == "torchao":
         if scheme == "block":
             from torchao.kernel.blockwise_quantization import blockwise_fp8_gemm
@@ -139,7 +139,7 @@ def matmul(backend: str, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tenso
             from torchao.float8.inference import addmm_float8_unwrapped_inference
 
             return addmm_float8_unwrapped_inference(xq, xs, weight.t(), ws.reshape(1, -1), output_dtype=out_dtype,
-                                                    use_fast_accum=False)
+                                                    use_fast_accum=fast_accum)
     else:
         raise ValueError(backend)
     return y if y.dtype == out_dtype else y.to(out_dtype)
