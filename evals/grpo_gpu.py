@@ -12,7 +12,7 @@ lowest 1/32 of the vocabulary: a random model starts near 0.03 and LoRA can rais
 
 Variants: bf16, fp8, fp8-kv8 (FP8 KV cache of the same token capacity), fp8-nocasts (vLLM's default Inductor
 settings, which drop the BF16 rounding before FP8 activation quantization that the runtime keeps; see
-engine_kwargs).
+engine_kwargs), fp8-f32acc (the trainer's FP8 GEMMs promote to float32, FP8KIT_FAST_ACCUM=0, where vLLM's do not).
 
     python evals/grpo_gpu.py --variants fp8,bf16 --steps 8 --out evals/results/grpo_gpu.json
     python evals/grpo_gpu.py --shape llama-8b --variants fp8,bf16 --steps 2 --skip-standalone
@@ -207,6 +207,8 @@ def run_variant(args) -> dict:
     from fp8kit.rl.vllm_engine import storage_pointers
 
     checkpoint = Path(args.checkpoint)
+    if args.variant == "fp8-f32acc":  # read by every FP8LoRALinear that load_model builds
+        os.environ["FP8KIT_FAST_ACCUM"] = "0"
     torch.zeros(1, device="cuda")  # the CUDA context, before anything is loaded
     snapshots = {"context_only": memory_snapshot()}
     t0 = time.perf_counter()
