@@ -76,12 +76,13 @@ def test_triton_grad_quantizer_and_transpose_write_torch_bytes(scheme):
     assert torch.equal(transpose_fp8(w).view(torch.uint8), w.t().contiguous().view(torch.uint8))
 
 
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_compiled_layer_matches_eager(backend):
+def test_compiled_layer_matches_eager(scheme, backend):
     """Under torch.compile the triton backend calls its quantizer as an opaque operator and the torch backend's
     quantization is fused by Inductor; both must compute the eager layer's function, gradients included."""
     torch._dynamo.reset()
-    eager, compiled = layer("dynamic", backend, fp8_backward=True), layer("dynamic", backend, fp8_backward=True)
+    eager, compiled = layer(scheme, backend, fp8_backward=True), layer(scheme, backend, fp8_backward=True)
     fn = torch.compile(compiled, fullgraph=True)
     x = (torch.randn(2, 384, 2048, device="cuda") * 2).to(torch.bfloat16)
     xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
