@@ -74,11 +74,8 @@ def build(layers: int, variant: str, rank: int):
         elif variant == "bf16-peft":
             new = PeftStyleLoRALinear(module, rank, 2 * rank)
         else:
-            scheme, backend, *option = variant.split("/")
+            scheme, backend, option = fp8_variant(variant)
             q, s = quantize_weight(module.weight.detach(), SCHEMES[scheme], torch.float32)
-            unknown = set(option) - {"fp8bwd", "f32acc"}
-            if unknown:
-                raise ValueError(f"variant {variant!r}: unknown option {sorted(unknown)}; expected fp8bwd, f32acc")
             new = FP8LoRALinear(q, s, scheme, rank=rank, alpha=2 * rank, dtype=torch.bfloat16, backend=backend,
                                 fp8_backward="fp8bwd" in option, fast_accum=False if "f32acc" in option else None)
         setattr(model.get_submodule(parent), leaf, new)
@@ -163,11 +160,25 @@ DEFAULT_VARIANTS = ("bf16,bf16-peft,dynamic/torch,dynamic/triton,dynamic/triton/
                     "dynamic/fbgemm,block/fbgemm,tensor/fbgemm,dynamic/torchao,tensor/torchao,block/torchao")
 
 
+OPTIONS = ("fp8bwd", "f32acc")
+
+
+def fp8_variant(variant: str) -> tuple[str, str, set[str]]:
+    """(scheme, backend, options) of an FP8 variant name such as dynamic/triton/fp8bwd+compile."""
+    scheme, backend, *options = variant.removesuffix("+compile").split("/")
+    if unknown := sorted(set(options) - set(OPTIONS)):
+        raise ValueError(f"variant {variant!r}: unknown option {unknown}; expected {', '.join(OPTIONS)}")
+    return scheme, backend, set(options)
+
+
 def unsupported(variant: str, backends: dict) -> str | None:
-    """Why this machine cannot run the variant (from available_backends), or None."""
+    """Why this machine cannot run the variant (from available_backends, or a name it cannot read), or None."""
     if variant.startswith("bf16"):
         return None
-    scheme, backend, *_ = variant.removesuffix("+compile").split("/")
+    try:
+        scheme, backend, _ = fp8_variant(variant)
+    except ValueError as e:
+        return str(e)
     if backend not in backends:
         return f"unknown backend {backend!r}"
     entry = backends[backend]

@@ -32,19 +32,25 @@ def test_triton_quantizer_writes_torch_bytes(scheme):
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
 
 
+def _same_function(want, got, shape, out_tol, grad_tol, run_got=None):
+    """Layer `got` (called through run_got, e.g. its compiled form, if given) against layer `want`, in relative
+    norm: the output within out_tol; the input and LoRA gradients (same random upstream gradient) within grad_tol."""
+    x = (torch.randn(*shape, device="cuda") * 2).to(torch.bfloat16)
+    xw, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yw, yg = want(xw), (got if run_got is None else run_got)(xg)
+    assert ((yg.float() - yw.float()).norm() / yw.float().norm()) < out_tol
+    up = torch.randn_like(yw)
+    (yw * up).sum().backward()
+    (yg * up).sum().backward()
+    for a, b in [(xg.grad, xw.grad), (got.lora_A.grad, want.lora_A.grad), (got.lora_B.grad, want.lora_B.grad)]:
+        assert ((a.float() - b.float()).norm() / b.float().norm()) < grad_tol
+
+
 def _matches_reference(scheme, backend, fp8_backward=False, fast_accum=None):
-    x = (torch.randn(4, 256, 2048, device="cuda") * 2).to(torch.bfloat16)
     ref_layer = layer(scheme, "reference", fp8_backward=fp8_backward)
     gpu_layer = layer(scheme, backend, fp8_backward=fp8_backward, fast_accum=fast_accum)
-    xr, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
-    yr, yg = ref_layer(xr), gpu_layer(xg)
     # same FP8 operands; float32 accumulation in another order, then one bf16 rounding
-    assert ((yg.float() - yr.float()).norm() / yr.float().norm()) < 5e-3
-    up = torch.randn_like(yr)
-    (yr * up).sum().backward()
-    (yg * up).sum().backward()
-    for a, b in [(xg.grad, xr.grad), (gpu_layer.lora_A.grad, ref_layer.lora_A.grad)]:
-        assert ((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+    _same_function(ref_layer, gpu_layer, (4, 256, 2048), out_tol=5e-3, grad_tol=1e-2)
 
 
 @pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
@@ -83,16 +89,8 @@ def test_compiled_layer_matches_eager(scheme, backend):
     quantization is fused by Inductor; both must compute the eager layer's function, gradients included."""
     torch._dynamo.reset()
     eager, compiled = layer(scheme, backend, fp8_backward=True), layer(scheme, backend, fp8_backward=True)
-    fn = torch.compile(compiled, fullgraph=True)
-    x = (torch.randn(2, 384, 2048, device="cuda") * 2).to(torch.bfloat16)
-    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ye, yc = eager(xe), fn(xc)
-    assert ((yc.float() - ye.float()).norm() / ye.float().norm()) < 2e-3
-    up = torch.randn_like(ye)
-    (ye * up).sum().backward()
-    (yc * up).sum().backward()
-    for a, b in [(xc.grad, xe.grad), (compiled.lora_A.grad, eager.lora_A.grad), (compiled.lora_B.grad, eager.lora_B.grad)]:
-        assert ((a.float() - b.float()).norm() / b.float().norm()) < 5e-3
+    _same_function(eager, compiled, (2, 384, 2048), out_tol=2e-3, grad_tol=5e-3,
+                   run_got=torch.compile(compiled, fullgraph=True))
 
 
 LIBRARIES = {"fbgemm": "fbgemm_gpu", "torchao": "torchao"}
