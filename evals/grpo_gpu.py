@@ -45,6 +45,7 @@ SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=4096, max_position_embeddings=1024, tie_word_embeddings=False),
 }
+BASE_VARIANTS = ("bf16", "fp8", "fp8-kv8", "fp8-nocasts", "fp8-f32acc")
 WORKLOAD = dict(prompts_per_step=16, num_generations=8, prompt_tokens=128, max_completion_length=256)
 LORA_RANK = 32
 KV_CACHE_BYTES = 2 << 30
@@ -91,25 +92,45 @@ class PeakMemory:
 
 class PhaseRollout:
     """The runtime's rollout engine, telling PeakMemory which phase of a GRPO step is running: generation from
-    generate() until it returns, training from sleep() (KV cache released) until wake()."""
+    generate() until it returns, training from sleep() (KV cache released) until wake(). With trace_step, that
+    step's generation and training each record torch's allocation trace (evals/memory_trace.py) into .traces."""
 
-    def __init__(self, engine, peak: PeakMemory):
+    def __init__(self, engine, peak: PeakMemory, trace_step: int | None = None):
         self.engine, self.peak, self.name, self.asleep_memory = engine, peak, engine.name, None
+        self.trace_step, self.step, self.traces, self._training = trace_step, 0, {}, None
+
+    def _window(self):
+        from evals.memory_trace import Window
+
+        return Window() if self.step == self.trace_step else None
 
     def generate(self, *args, **kwargs):
+        self.step += 1
         self.peak.phase = "generation"
+        window = self._window()
         try:
-            return self.engine.generate(*args, **kwargs)
+            if window is None:
+                return self.engine.generate(*args, **kwargs)
+            with window:
+                return self.engine.generate(*args, **kwargs)
         finally:
             self.peak.phase = "other"
+            if window is not None:
+                self.traces["generation"] = window.summary
 
     def sleep(self):
         self.engine.sleep()
         if self.asleep_memory is None:
             self.asleep_memory = memory_snapshot()
         self.peak.phase = "training"
+        self._training = self._window()
+        if self._training is not None:
+            self._training.__enter__()
 
     def wake(self):
+        if self._training is not None:
+            self._training.__exit__(None, None, None)
+            self.traces["training"], self._training = self._training.summary, None
         self.peak.phase = "other"
         self.engine.wake()
 
@@ -184,6 +205,22 @@ class TokenPrompts:
         return [""] * len(ids)
 
 
+def split_variant(variant: str) -> tuple[str, dict]:
+    """'fp8-kv8+mbt2048' -> ('fp8-kv8', {'max_num_batched_tokens': 2048}): a base variant and engine settings on
+    top of it. `+mbtN` sets the tokens vLLM runs in one forward pass (prefill is chunked to it), which bounds the
+    activation memory of a generation: the runtime's default is 2048 (ROLLOUT_MAX_BATCHED_TOKENS), vLLM's own for
+    its LLM class on an 80 GB GPU 16384 (`+mbt16384`)."""
+    base, *extras = variant.split("+")
+    if base not in BASE_VARIANTS:
+        raise SystemExit(f"variant {variant!r}: unknown; known: {', '.join(BASE_VARIANTS)}, each with options +mbtN")
+    settings = {}
+    for extra in extras:
+        if not (extra.startswith("mbt") and extra[3:].isdigit()):
+            raise SystemExit(f"variant {variant!r}: unknown option {extra!r} (known: +mbtN, e.g. +mbt2048)")
+        settings["max_num_batched_tokens"] = int(extra[3:])
+    return base, settings
+
+
 def engine_kwargs(variant: str) -> dict:
     """vLLM settings per variant. The same KV-cache token capacity for every variant: an FP8 KV cache needs half
     the bytes. `fp8-nocasts` compiles with vLLM's default settings (`compilation_config={}`), where Inductor drops
@@ -191,11 +228,12 @@ def engine_kwargs(variant: str) -> dict:
     the runtime keeps for FP8 checkpoints (fp8kit.rl.vllm_engine.KEEP_PRECISION_CASTS). Dropping it changes
     about 2-3% of the FP8 codes (evals/mismatch_sources.py); keeping it cut the mismatch KL from 0.0195 to 0.0145
     on an H100 (results/grpo_gpu_h100_casts.json)."""
-    if variant == "fp8-kv8":
-        return {"kv_cache_memory_bytes": KV_CACHE_BYTES // 2, "kv_cache_dtype": "fp8"}
-    if variant == "fp8-nocasts":
-        return {"kv_cache_memory_bytes": KV_CACHE_BYTES, "compilation_config": {}}
-    return {"kv_cache_memory_bytes": KV_CACHE_BYTES}
+    base, settings = split_variant(variant)
+    if base == "fp8-kv8":
+        return {"kv_cache_memory_bytes": KV_CACHE_BYTES // 2, "kv_cache_dtype": "fp8", **settings}
+    if base == "fp8-nocasts":
+        return {"kv_cache_memory_bytes": KV_CACHE_BYTES, "compilation_config": {}, **settings}
+    return {"kv_cache_memory_bytes": KV_CACHE_BYTES, **settings}
 
 
 def run_variant(args) -> dict:
@@ -207,12 +245,13 @@ def run_variant(args) -> dict:
     from fp8kit.rl.vllm_engine import storage_pointers
 
     checkpoint = Path(args.checkpoint)
-    if args.variant == "fp8-f32acc":  # read by every FP8LoRALinear that load_model builds
+    base, _ = split_variant(args.variant)
+    if base == "fp8-f32acc":  # read by every FP8LoRALinear that load_model builds
         os.environ["FP8KIT_FAST_ACCUM"] = "0"
     torch.zeros(1, device="cuda")  # the CUDA context, before anything is loaded
     snapshots = {"context_only": memory_snapshot()}
     t0 = time.perf_counter()
-    model, tokenizer = load_model(checkpoint, load_in_fp8=args.variant != "bf16", dtype=torch.bfloat16,
+    model, tokenizer = load_model(checkpoint, load_in_fp8=base != "bf16", dtype=torch.bfloat16,
                                   max_seq_length=WORKLOAD["prompt_tokens"] + WORKLOAD["max_completion_length"] + 8,
                                   lora_rank=LORA_RANK, gpu_memory_utilization=0.5,
                                   vllm_kwargs=engine_kwargs(args.variant))
@@ -239,7 +278,7 @@ def run_variant(args) -> dict:
                         gradient_accumulation_steps=16, seed=0)
     history = []
     with PeakMemory() as peak:
-        phased = PhaseRollout(engine, peak)
+        phased = PhaseRollout(engine, peak, args.trace_step)
         train(model, TokenPrompts(tokenizer, table), list(table), [low_token_reward(vocab)], config, rollout=phased,
               on_step=lambda m: (history.append(m), print(json.dumps(m), flush=True)))
     snapshots["first_sleep"] = phased.asleep_memory
@@ -247,7 +286,7 @@ def run_variant(args) -> dict:
     shutil.rmtree(adapter, ignore_errors=True)
     adapter.mkdir(parents=True)
     write_adapter(model, adapter, str(checkpoint))
-    steady = history[1:] or history
+    steady = [h for h in history[1:] if h["step"] != args.trace_step] or history  # tracing slows a step
     return {
         "checkpoint": str(checkpoint), "scheme": model.fp8_scheme, "load_s": load_s,
         "weights": {"vllm_weight_bytes": vllm_bytes, "trainer_base_tensors": len(base),
@@ -262,6 +301,7 @@ def run_variant(args) -> dict:
         "generation_s": sum(h["generation_s"] for h in steady), "training_s": sum(h["training_s"] for h in steady),
         "reward_curve": [h["reward_mean"] for h in history], "mismatch_kl": [h["mismatch_kl"] for h in history],
         "steps": history, "adapter": str(adapter),
+        **({"memory_trace": {"step": args.trace_step, **phased.traces}} if args.trace_step else {}),
     }
 
 
@@ -325,6 +365,16 @@ def summarize(runs: dict, shape: str) -> dict:
                                                              / bf16["peak_torch_allocated_bytes"])
     if "rollout_vs_standalone_vllm" in fp8:
         summary["rollout_vs_standalone_vllm"] = fp8["rollout_vs_standalone_vllm"]
+    by_options = {}  # every FP8 variant against the bf16 run with the same engine options (+mbtN)
+    for key, run in runs.items():
+        if not key.startswith(f"{shape}/fp8") or "peak_device_memory_bytes" not in run:
+            continue
+        options = key.split("/", 1)[1].partition("+")[2]
+        baseline = runs.get(f"{shape}/bf16" + (f"+{options}" if options else ""), {})
+        if "peak_device_memory_bytes" in baseline:
+            by_options[key.split("/", 1)[1]] = run["peak_device_memory_bytes"] / baseline["peak_device_memory_bytes"]
+    if by_options:
+        summary["peak_memory_ratio_vs_bf16_same_options"] = by_options
     summary["mismatch_kl_mean"] = {key.split("/", 1)[1]: sum(run["mismatch_kl"]) / len(run["mismatch_kl"])
                                    for key, run in runs.items() if key.startswith(f"{shape}/") and run.get("mismatch_kl")}
     return summary
@@ -339,6 +389,9 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "evals/results/grpo_gpu.json"))
     ap.add_argument("--skip-standalone", action="store_true")
     ap.add_argument("--child-timeout", type=float, default=560, help="seconds for each child process")
+    ap.add_argument("--trace-step", type=int, help="record torch's allocation trace in this step's generation and "
+                    "training and report what holds the memory at each one's peak (the step's timings are dropped "
+                    "from the rates)")
     ap.add_argument("--standalone-only", action="store_true", help="add the standalone engine to earlier runs")
     ap.add_argument("--variant")  # internal: one runtime run
     ap.add_argument("--checkpoint")
@@ -356,6 +409,8 @@ def main():
 
     # this process never touches the GPU: the device-wide peaks measured in the children must not include a
     # CUDA context of ours, so building and converting run in a child too
+    for variant in args.variants.split(","):
+        split_variant(variant)  # an unknown name stops the run before anything is built
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
@@ -379,7 +434,9 @@ def main():
             run = runs[f"{args.shape}/{variant}"]
         else:
             run = subprocess_json(["--variant", variant, "--checkpoint", str(checkpoint), "--steps", str(args.steps),
-                                   "--workdir", str(workdir)], env, args.child_timeout)
+                                   "--workdir", str(workdir)]
+                                  + (["--trace-step", str(args.trace_step)] if args.trace_step else []),
+                                  env, args.child_timeout)
         if "adapter" in run and not args.skip_standalone:
             run["standalone"] = subprocess_json(["--variant", variant, "--standalone", "--checkpoint", str(checkpoint),
                                                  "--adapter", run["adapter"], "--steps", str(args.steps),

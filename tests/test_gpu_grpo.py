@@ -17,7 +17,7 @@ def test_vllm_shares_the_trainers_weights(tmp_path, variant):
     pytest.importorskip("vllm")
     out = tmp_path / "grpo.json"
     proc = subprocess.run([sys.executable, str(ROOT / "evals/grpo_gpu.py"), "--shape", "tiny", "--variants", variant,
-                           "--steps", "3", "--skip-standalone", "--workdir", str(tmp_path), "--out", str(out)],
+                           "--steps", "3", "--skip-standalone", "--trace-step", "2", "--workdir", str(tmp_path), "--out", str(out)],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                               filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -36,3 +36,10 @@ def test_vllm_shares_the_trainers_weights(tmp_path, variant):
     assert {"generation", "training"} <= phases.keys()
     assert snaps["context_only"]["device_used"] < snaps["loaded"]["device_used"]
     assert snaps["first_sleep"]["device_used"] < phases["generation"]["device_used_peak"]
+    # step 2's allocation trace says what held the memory at each phase's peak
+    trace = run["memory_trace"]
+    assert trace["step"] == 2 and not trace["generation"]["wrapped"]
+    for phase in ("generation", "training"):
+        allocated = trace[phase]["allocated"]
+        assert allocated["peak_bytes_above_start"] > 0 and allocated["sites"], (phase, allocated)
+        assert allocated["live_bytes_at_peak"] >= allocated["sites"][0]["bytes"]

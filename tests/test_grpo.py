@@ -233,14 +233,19 @@ def test_bad_input(tiny_fp8, tmp_path):
 
 def test_rollout_engine_keeps_precision_casts_for_fp8_checkpoints(tmp_path, llama_dir):
     """vLLM compiles FP8 checkpoints with the model-dtype rounding kept before activation quantization (the trainer
-    rounds there); BF16 checkpoints and a caller's own compilation_config are left alone."""
-    from fp8kit.rl.vllm_engine import KEEP_PRECISION_CASTS, rollout_engine_kwargs
+    rounds there) and prefills in chunks that bound its activation memory; BF16 checkpoints keep vLLM's compile
+    settings, and a caller's own values win."""
+    from fp8kit.rl.vllm_engine import KEEP_PRECISION_CASTS, ROLLOUT_MAX_BATCHED_TOKENS, rollout_engine_kwargs
 
     fp8 = Path(convert(llama_dir, tmp_path / "fp8", scheme="dynamic").out)
     qc = json.loads((fp8 / "config.json").read_text())["quantization_config"]
     bf16_qc = json.loads((Path(llama_dir) / "config.json").read_text()).get("quantization_config") or {}
+    chunks = {"max_num_batched_tokens": ROLLOUT_MAX_BATCHED_TOKENS}
+    assert ROLLOUT_MAX_BATCHED_TOKENS == 2048
     assert rollout_engine_kwargs(qc, {"kv_cache_memory_bytes": 1}) == {
-        "kv_cache_memory_bytes": 1, "compilation_config": KEEP_PRECISION_CASTS}
+        "kv_cache_memory_bytes": 1, "compilation_config": KEEP_PRECISION_CASTS, **chunks}
     assert KEEP_PRECISION_CASTS["inductor_compile_config"]["emulate_precision_casts"] is True
-    assert rollout_engine_kwargs(bf16_qc, {"kv_cache_memory_bytes": 1}) == {"kv_cache_memory_bytes": 1}
-    assert rollout_engine_kwargs(qc, {"compilation_config": {}}) == {"compilation_config": {}}
+    assert rollout_engine_kwargs(bf16_qc, {"kv_cache_memory_bytes": 1}) == {"kv_cache_memory_bytes": 1, **chunks}
+    assert rollout_engine_kwargs(qc, {"compilation_config": {}, "max_num_batched_tokens": 16384}) == {
+        "compilation_config": {}, "max_num_batched_tokens": 16384}
+    assert rollout_engine_kwargs(bf16_qc, {"max_num_seqs": 4096})["max_num_batched_tokens"] == 4096

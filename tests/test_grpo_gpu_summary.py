@@ -19,6 +19,7 @@ def test_summary_ratios_and_mismatch():
     assert summary["rollout_vs_standalone_vllm"] == 0.99
     assert "peak_memory_ratio_fp8_kv8_vs_bf16" not in summary  # no fp8-kv8 run
     assert summary["mismatch_kl_mean"] == pytest.approx({"bf16": 0.2, "fp8": 1.0})
+    assert summary["peak_memory_ratio_vs_bf16_same_options"] == pytest.approx({"fp8": 0.75})
     assert summarize({"llama-8b/fp8": runs["llama-8b/fp8"]}, "llama-8b") == {"rollout_vs_standalone_vllm": 0.99,
                                                                            "mismatch_kl_mean": {"fp8": 1.0}}
 
@@ -39,3 +40,27 @@ def test_failed_build_stops_the_run_with_one_line(tmp_path):
     assert proc.returncode != 0
     assert "building the tiny checkpoints failed" in proc.stderr
     assert not out.exists()
+
+
+def test_variants_with_engine_options_compare_to_bf16_with_the_same_options():
+    runs = {
+        "llama-8b/bf16": {"peak_device_memory_bytes": 200},
+        "llama-8b/bf16+mbt2048": {"peak_device_memory_bytes": 160},
+        "llama-8b/fp8+mbt2048": {"peak_device_memory_bytes": 100},
+        "llama-8b/fp8-kv8+mbt2048": {"peak_device_memory_bytes": 80},
+        "llama-8b/fp8-kv8+mbt4096": {"peak_device_memory_bytes": 90},  # no bf16+mbt4096: no ratio
+    }
+    ratios = summarize(runs, "llama-8b")["peak_memory_ratio_vs_bf16_same_options"]
+    assert ratios == pytest.approx({"fp8+mbt2048": 0.625, "fp8-kv8+mbt2048": 0.5})
+
+
+def test_variant_names_and_options():
+    from evals.grpo_gpu import engine_kwargs, split_variant
+
+    assert split_variant("fp8-kv8+mbt2048") == ("fp8-kv8", {"max_num_batched_tokens": 2048})
+    assert engine_kwargs("fp8-kv8+mbt2048")["max_num_batched_tokens"] == 2048
+    assert engine_kwargs("fp8-kv8+mbt2048")["kv_cache_dtype"] == "fp8"
+    assert "max_num_batched_tokens" not in engine_kwargs("bf16")
+    for bad in ("fp8+mbt", "fp8+fast", "fp9"):
+        with pytest.raises(SystemExit, match="variant"):
+            split_variant(bad)
