@@ -12,7 +12,9 @@ lowest 1/32 of the vocabulary: a random model starts near 0.03 and LoRA can rais
 
 Variants: bf16, fp8, fp8-kv8 (FP8 KV cache of the same token capacity), fp8-nocasts (vLLM's default Inductor
 settings, which drop the BF16 rounding before FP8 activation quantization that the runtime keeps; see
-engine_kwargs), fp8-f32acc (the trainer's FP8 GEMMs promote to float32, FP8KIT_FAST_ACCUM=0, where vLLM's do not).
+engine_kwargs), fp8-f32acc (the trainer's FP8 GEMMs promote to float32, FP8KIT_FAST_ACCUM=0, where vLLM's do not);
+each takes `+mbtN` for N tokens per vLLM forward pass (split_variant). --trace-step N reports what held the memory
+at the peaks of step N's generation and training (evals/memory_trace.py).
 
     python evals/grpo_gpu.py --variants fp8,bf16 --steps 8 --out evals/results/grpo_gpu.json
     python evals/grpo_gpu.py --shape llama-8b --variants fp8,bf16 --steps 2 --skip-standalone
