@@ -14,31 +14,41 @@ from __future__ import annotations
 from collections import defaultdict
 
 # where a user frame starts: our code, the engine and the model library; torch's own frames are skipped, but code
-# Inductor generated (written under torchinductor_*) is where compiled graphs allocate, so it counts as a site
+# Inductor generated is where compiled graphs allocate, so it counts as a site (under /tmp/torchinductor_<user>, or
+# vLLM's cache: ~/.cache/vllm/torch_compile_cache/.../inductor_cache)
 OWNERS = ("fp8kit/", "vllm/", "transformers/", "evals/")
+GENERATED = ("torchinductor", "inductor_cache")
+
+
+def _generated(frame: dict) -> bool:
+    return any(g in frame["filename"] for g in GENERATED)
 
 
 def _short(frame: dict) -> str:
     path = frame["filename"]
-    for marker in ("site-packages/", "gpu-site/", "fp8kit/", "evals/"):
-        if marker in path:
-            rest = path.split(marker, 1)[1]
-            path = rest if marker in ("site-packages/", "gpu-site/") else marker + rest
-            break
+    if _generated(frame):
+        path = "inductor:" + path.rsplit("/", 1)[-1]
+    else:
+        for marker in ("site-packages/", "gpu-site/", "fp8kit/", "evals/"):
+            if marker in path:
+                rest = path.split(marker, 1)[1]
+                path = rest if marker in ("site-packages/", "gpu-site/") else marker + rest
+                break
     return f"{path}:{frame['line']} {frame['name']}"
 
 
 def site(frames: list[dict]) -> str:
     """The allocating line (innermost frame outside torch's own package; torch traces list the innermost frame
-    first) and, when different, the innermost frame of our code, vLLM or transformers that led to it."""
+    first) and, when it is elsewhere, the innermost frame of our code, vLLM or transformers that led to it."""
     def in_torch(f):
-        return "/torch/" in f["filename"] and "torchinductor" not in f["filename"]
+        return "/torch/" in f["filename"] and not _generated(f)
 
     inner = next((f for f in frames if not in_torch(f)), frames[0] if frames else None)
     if inner is None:
         return "unknown (no stack recorded)"
-    owner = next((f for f in frames if any(o in f["filename"] for o in OWNERS)), None)
-    if owner is None or owner is inner:
+    owner = next((f for f in frames if f is not inner and not _generated(f)
+                  and any(o in f["filename"] for o in OWNERS)), None)
+    if owner is None:
         return _short(inner)
     return f"{_short(owner)} <- {_short(inner)}"
 

@@ -14,8 +14,11 @@ def event(action, addr, size, *frames):
 
 def test_site_names_the_allocating_line_and_the_code_that_led_there():
     assert site([TORCH, OURS]) == "fp8kit/rl/fp8_linear.py:42 forward"
-    assert site([INDUCTOR, TORCH, VLLM]) == ("vllm/model_executor/layers/linear.py:7 apply <- "
-                                             "/tmp/torchinductor_root/ab/cabc.py:99 call")
+    assert site([INDUCTOR, TORCH, VLLM]) == "vllm/model_executor/layers/linear.py:7 apply <- inductor:cabc.py:99 call"
+    vllm_cache = {"filename": "/root/.cache/vllm/torch_compile_cache/torch_aot_compile/7b6e/inductor_cache/ou/"
+                  "coud.py", "line": 5, "name": "call"}  # where vLLM keeps its compiled graphs: generated, not vLLM's
+    assert site([vllm_cache, VLLM]) == "vllm/model_executor/layers/linear.py:7 apply <- inductor:coud.py:5 call"
+    assert site([vllm_cache]) == "inductor:coud.py:5 call"
     assert site([TORCH]) == "torch/nn/functional.py:10 linear"  # only torch: its own frame
     assert site([]) == "unknown (no stack recorded)"
 
