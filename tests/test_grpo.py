@@ -249,3 +249,4 @@ def test_rollout_engine_keeps_precision_casts_for_fp8_checkpoints(tmp_path, llam
     assert rollout_engine_kwargs(qc, {"compilation_config": {}, "max_num_batched_tokens": 16384}) == {
         "compilation_config": {}, "max_num_batched_tokens": 16384}
     assert rollout_engine_kwargs(bf16_qc, {"max_num_seqs": 4096})["max_num_batched_tokens"] == 4096
+    assert "max_num_batched_tokens" not in rollout_engine_kwargs(bf16_qc, {"enable_chunked_prefill": False})

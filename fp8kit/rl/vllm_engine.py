@@ -124,7 +124,8 @@ def rollout_engine_kwargs(quantization_config: dict, engine_kwargs: dict) -> dic
     needs at least one token per sequence), and an FP8 checkpoint compiles with the model-dtype rounding kept; the
     caller's own values win (`compilation_config={}` is vLLM's default)."""
     kwargs = dict(engine_kwargs)
-    kwargs.setdefault("max_num_batched_tokens", max(ROLLOUT_MAX_BATCHED_TOKENS, kwargs.get("max_num_seqs") or 0))
+    if kwargs.get("enable_chunked_prefill") is not False:  # unchunked, a pass must hold a whole prompt: vLLM's value
+        kwargs.setdefault("max_num_batched_tokens", max(ROLLOUT_MAX_BATCHED_TOKENS, kwargs.get("max_num_seqs") or 0))
     if quantization_config:
         kwargs.setdefault("compilation_config", KEEP_PRECISION_CASTS)
     return kwargs
