@@ -64,3 +64,20 @@ def test_variant_names_and_options():
     for bad in ("fp8+mbt", "fp8+fast", "fp9"):
         with pytest.raises(SystemExit, match="variant"):
             split_variant(bad)
+
+
+def test_unknown_variant_stops_the_run_before_anything_is_built(tmp_path):
+    """The variant names are checked before the build child starts: one line, no work directory, no results."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out, work = tmp_path / "grpo.json", tmp_path / "work"
+    proc = subprocess.run([sys.executable, str(root / "evals/grpo_gpu.py"), "--shape", "tiny", "--variants",
+                           "bf16,fp8+mbtx", "--workdir", str(work), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == "variant 'fp8+mbtx': unknown option 'mbtx' (known: +mbtN, e.g. +mbt2048)"
+    assert not work.exists() and not out.exists()

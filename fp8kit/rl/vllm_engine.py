@@ -112,9 +112,9 @@ KEEP_PRECISION_CASTS = {"inductor_compile_config": {"emulate_precision_casts": T
 
 # Tokens vLLM runs in one forward pass (longer prefills are chunked to it). vLLM's LLM class takes 16384 on 80 GB
 # GPUs (engine/arg_utils.py), and a GRPO step's prefill that large was the run's memory peak: on an H100 with a
-# Llama-3.1-8B-shaped FP8 model it left 2.56 GB of Inductor buffers reserved beside the sleeping trainer's optimizer
-# state; in chunks of 2048 tokens 0.34 GB, and the run's peak fell from 18.43 to 16.14 GB (H100; 18.41 to 16.59 on
-# an H200, BF16 24.61 to 23.75) for about 1.05x the generation time (evals/results/grpo_gpu_h*_8b_prefill.json).
+# Llama-3.1-8B-shaped FP8 model it left 2.56 GB of Inductor buffers reserved beside the trainer's optimizer state;
+# in chunks of 2048 tokens 0.34 GB, and the run's peak fell from 18.43 to 16.14 GB (H100; 18.41 to 16.59 on
+# an H200, BF16 24.61 to 23.75) for 1.00-1.05x the generation time (evals/results/grpo_gpu_h*_8b_prefill.json).
 # 2048 is vLLM's own API-server default on smaller GPUs; prompts of any length still fit (chunked prefill).
 ROLLOUT_MAX_BATCHED_TOKENS = 2048
 
