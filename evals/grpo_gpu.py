@@ -13,11 +13,13 @@ lowest 1/32 of the vocabulary: a random model starts near 0.03 and LoRA can rais
 Variants: bf16, fp8, fp8-kv8 (FP8 KV cache of the same token capacity), fp8-nocasts (vLLM's default Inductor
 settings, which drop the BF16 rounding before FP8 activation quantization that the runtime keeps; see
 engine_kwargs), fp8-f32acc (the trainer's FP8 GEMMs promote to float32, FP8KIT_FAST_ACCUM=0, where vLLM's do not);
-each takes `+mbtN` for N tokens per vLLM forward pass (split_variant). --trace-step N reports what held the memory
-at the peaks of step N's generation and training (evals/memory_trace.py).
+each takes `+mbtN` for N tokens per vLLM forward pass and `+gpuN` for a budget of N GiB in which vLLM sizes the KV
+cache (split_variant; every run records the KV-cache tokens). --trace-step N reports what held the memory at the
+peaks of step N's generation and training (evals/memory_trace.py).
 
     python evals/grpo_gpu.py --variants fp8,bf16 --steps 8 --out evals/results/grpo_gpu.json
     python evals/grpo_gpu.py --shape llama-8b --variants fp8,bf16 --steps 2 --skip-standalone
+    python evals/grpo_gpu.py --shape llama-8b --variants bf16+gpu20,fp8+gpu20 --steps 2 --skip-standalone
 """
 
 from __future__ import annotations
@@ -207,35 +209,68 @@ class TokenPrompts:
         return [""] * len(ids)
 
 
+VARIANT_OPTIONS = "+mbtN (tokens per vLLM forward pass, e.g. +mbt2048), +gpuN (a budget of N GiB, e.g. +gpu20)"
+
+
 def split_variant(variant: str) -> tuple[str, dict]:
     """'fp8-kv8+mbt2048' -> ('fp8-kv8', {'max_num_batched_tokens': 2048}): a base variant and engine settings on
     top of it. `+mbtN` sets the tokens vLLM runs in one forward pass (prefill is chunked to it), which bounds the
     activation memory of a generation: the runtime's default is 2048 (ROLLOUT_MAX_BATCHED_TOKENS), vLLM's own for
-    its LLM class on an 80 GB GPU 16384 (`+mbt16384`)."""
+    its LLM class on an 80 GB GPU 16384 (`+mbt16384`). `+gpuN` gives vLLM N GiB (gpu_memory_utilization) and lets
+    it size the KV cache from what its profiling run leaves, instead of the fixed KV_CACHE_BYTES: the KV tokens
+    that fit in the same budget are the context an FP8 model gains over BF16."""
     base, *extras = variant.split("+")
     if base not in BASE_VARIANTS:
-        raise SystemExit(f"variant {variant!r}: unknown; known: {', '.join(BASE_VARIANTS)}, each with options +mbtN")
+        raise SystemExit(f"variant {variant!r}: unknown; known: {', '.join(BASE_VARIANTS)}, each with options "
+                         f"{VARIANT_OPTIONS}")
     settings = {}
     for extra in extras:
-        if not (extra.startswith("mbt") and extra[3:].isdigit()):
-            raise SystemExit(f"variant {variant!r}: unknown option {extra!r} (known: +mbtN, e.g. +mbt2048)")
-        settings["max_num_batched_tokens"] = int(extra[3:])
+        if extra.startswith("mbt") and extra[3:].isdigit():
+            settings["max_num_batched_tokens"] = int(extra[3:])
+        elif extra.startswith("gpu") and extra[3:].isdigit() and int(extra[3:]) > 0:
+            settings["budget_gib"] = int(extra[3:])
+        else:
+            raise SystemExit(f"variant {variant!r}: unknown option {extra!r} (known: {VARIANT_OPTIONS})")
     return base, settings
 
 
 def engine_kwargs(variant: str) -> dict:
     """vLLM settings per variant. The same KV-cache token capacity for every variant: an FP8 KV cache needs half
-    the bytes. `fp8-nocasts` compiles with vLLM's default settings (`compilation_config={}`), where Inductor drops
-    the BF16 rounding between vLLM's native RMSNorm (or SiLU-and-mul) and its FP8 activation quantization, which
-    the runtime keeps for FP8 checkpoints (fp8kit.rl.vllm_engine.KEEP_PRECISION_CASTS). Dropping it changes
-    about 2-3% of the FP8 codes (evals/mismatch_sources.py); keeping it cut the mismatch KL from 0.0195 to 0.0145
-    on an H100 (results/grpo_gpu_h100_casts.json)."""
+    the bytes; under a budget (+gpuN) vLLM sizes it instead, see memory_utilization. `fp8-nocasts` compiles with
+    vLLM's default settings (`compilation_config={}`), where Inductor drops the BF16 rounding between vLLM's native
+    RMSNorm (or SiLU-and-mul) and its FP8 activation quantization, which the runtime keeps for FP8 checkpoints
+    (fp8kit.rl.vllm_engine.KEEP_PRECISION_CASTS). Dropping it changes about 2-3% of the FP8 codes
+    (evals/mismatch_sources.py); keeping it cut the mismatch KL from 0.0195 to 0.0145 on an H100
+    (results/grpo_gpu_h100_casts.json)."""
     base, settings = split_variant(variant)
+    budgeted = settings.pop("budget_gib", None) is not None
+    kv_bytes = {} if budgeted else {"kv_cache_memory_bytes": KV_CACHE_BYTES // 2 if base == "fp8-kv8" else KV_CACHE_BYTES}
     if base == "fp8-kv8":
-        return {"kv_cache_memory_bytes": KV_CACHE_BYTES // 2, "kv_cache_dtype": "fp8", **settings}
+        return {**kv_bytes, "kv_cache_dtype": "fp8", **settings}
     if base == "fp8-nocasts":
-        return {"kv_cache_memory_bytes": KV_CACHE_BYTES, "compilation_config": {}, **settings}
-    return {"kv_cache_memory_bytes": KV_CACHE_BYTES, **settings}
+        return {**kv_bytes, "compilation_config": {}, **settings}
+    return {**kv_bytes, **settings}
+
+
+def memory_utilization(variant: str, total_bytes: int) -> float:
+    """vLLM's gpu_memory_utilization for a variant: its +gpuN budget over the GPU's memory, else 0.5 (unused then:
+    a fixed kv_cache_memory_bytes skips vLLM's sizing). vLLM counts in the budget the weights, the peak activation
+    memory and the memory outside torch it saw grow while loading and profiling, and gives the KV cache the rest
+    (vllm/v1/worker/gpu_worker.py, determine_available_memory); the CUDA context made before it, its CUDA graphs and
+    the trainer's LoRA and optimizer state come on top, so the measured device peak is reported beside it."""
+    budget = split_variant(variant)[1].get("budget_gib")
+    if budget is None:
+        return 0.5
+    if budget * 2**30 >= total_bytes:
+        raise SystemExit(f"variant {variant!r}: a budget of {budget} GiB is not below this GPU's "
+                         f"{total_bytes / 2**30:.1f} GiB")
+    return budget * 2**30 / total_bytes
+
+
+def kv_cache_tokens(llm) -> int:
+    """The tokens the engine's KV cache holds: blocks times tokens per block (one KV-cache group: Llama)."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    return int(cache.num_gpu_blocks) * int(cache.block_size)
 
 
 def run_variant(args) -> dict:
@@ -255,7 +290,8 @@ def run_variant(args) -> dict:
     t0 = time.perf_counter()
     model, tokenizer = load_model(checkpoint, load_in_fp8=base != "bf16", dtype=torch.bfloat16,
                                   max_seq_length=WORKLOAD["prompt_tokens"] + WORKLOAD["max_completion_length"] + 8,
-                                  lora_rank=LORA_RANK, gpu_memory_utilization=0.5,
+                                  lora_rank=LORA_RANK,
+                                  gpu_memory_utilization=memory_utilization(args.variant, torch.cuda.mem_get_info()[1]),
                                   vllm_kwargs=engine_kwargs(args.variant))
     load_s = time.perf_counter() - t0
     snapshots["loaded"] = memory_snapshot()
@@ -296,7 +332,7 @@ def run_variant(args) -> dict:
                     "trainer_tensors_differing_from_checkpoint": differing,
                     "trainer_lora_bytes": lora_bytes,
                     "trainer_allocated_bytes": engine.trainer_allocated_bytes},
-        "peak_device_memory_bytes": peak.peak,
+        "kv_cache_tokens": kv_cache_tokens(engine.llm), "peak_device_memory_bytes": peak.peak,
         "memory_by_phase": peak.phases, "memory_snapshots": snapshots,
         "peak_torch_allocated_bytes": max(h["peak_gpu_memory_bytes"] for h in history),
         "rollout_tokens_per_s": sorted(h["rollout_tokens_per_s"] for h in steady)[len(steady) // 2],
@@ -310,6 +346,7 @@ def run_variant(args) -> dict:
 def run_standalone(args) -> dict:
     """The same checkpoint, adapter and sampling as one GRPO step, in a plain vLLM engine."""
     from vllm import LLM, SamplingParams
+    import torch
     from vllm.lora.request import LoRARequest
 
     from transformers import AutoConfig
@@ -322,7 +359,7 @@ def run_standalone(args) -> dict:
     kwargs = rollout_engine_kwargs(getattr(config, "quantization_config", None) or {}, engine_kwargs(args.variant))
     llm = LLM(args.checkpoint, dtype="bfloat16", enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1,
               max_model_len=WORKLOAD["prompt_tokens"] + WORKLOAD["max_completion_length"] + 8,
-              gpu_memory_utilization=0.5, seed=0, **kwargs)
+              gpu_memory_utilization=memory_utilization(args.variant, torch.cuda.mem_get_info()[1]), seed=0, **kwargs)
     lora = LoRARequest("adapter", 1, args.adapter)
     prompts = prompts_for(vocab, 256, WORKLOAD["prompt_tokens"])
     rates = []
@@ -367,16 +404,21 @@ def summarize(runs: dict, shape: str) -> dict:
                                                              / bf16["peak_torch_allocated_bytes"])
     if "rollout_vs_standalone_vllm" in fp8:
         summary["rollout_vs_standalone_vllm"] = fp8["rollout_vs_standalone_vllm"]
-    by_options = {}  # every FP8 variant against the bf16 run with the same engine options (+mbtN)
+    by_options, kv_tokens = {}, {}  # every FP8 variant against the bf16 run with the same engine options
     for key, run in runs.items():
         if not key.startswith(f"{shape}/fp8") or "peak_device_memory_bytes" not in run:
             continue
         options = key.split("/", 1)[1].partition("+")[2]
         baseline = runs.get(f"{shape}/bf16" + (f"+{options}" if options else ""), {})
-        if "peak_device_memory_bytes" in baseline:
+        if "budget_gib" in split_variant(key.split("/", 1)[1])[1]:  # both fill the budget: compare the KV tokens
+            if baseline.get("kv_cache_tokens"):
+                kv_tokens[key.split("/", 1)[1]] = run["kv_cache_tokens"] / baseline["kv_cache_tokens"]
+        elif "peak_device_memory_bytes" in baseline:
             by_options[key.split("/", 1)[1]] = run["peak_device_memory_bytes"] / baseline["peak_device_memory_bytes"]
     if by_options:
         summary["peak_memory_ratio_vs_bf16_same_options"] = by_options
+    if kv_tokens:  # under one budget (+gpuN): the context the rollouts gain
+        summary["kv_cache_tokens_ratio_vs_bf16_same_budget"] = kv_tokens
     summary["mismatch_kl_mean"] = {key.split("/", 1)[1]: sum(run["mismatch_kl"]) / len(run["mismatch_kl"])
                                    for key, run in runs.items() if key.startswith(f"{shape}/") and run.get("mismatch_kl")}
     return summary

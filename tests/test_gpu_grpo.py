@@ -30,6 +30,9 @@ def test_vllm_shares_the_trainers_weights(tmp_path, variant):
     # building the trainer allocated the LoRA parameters, not a second copy of the weights
     assert weights["trainer_allocated_bytes"] < 2 * weights["trainer_lora_bytes"] + (8 << 20)
     assert len(run["reward_curve"]) == 3
+    # the fixed 2 GiB KV cache, read back from the engine: tiny has 2 layers x 1 KV head x 128 dims, K and V,
+    # 2 bytes each (bf16), so 1 KiB a token; vLLM rounds down to whole blocks
+    assert 0 <= (2 << 30) // 1024 - run["kv_cache_tokens"] < 1024, run["kv_cache_tokens"]
     assert all(0.0 <= k < 0.05 for k in run["mismatch_kl"]), run["mismatch_kl"]
     # memory is attributed to each phase of a step, and releasing the KV cache for training shows in it
     phases, snaps = run["memory_by_phase"], run["memory_snapshots"]

@@ -49,19 +49,35 @@ def test_variants_with_engine_options_compare_to_bf16_with_the_same_options():
         "llama-8b/fp8+mbt2048": {"peak_device_memory_bytes": 100},
         "llama-8b/fp8-kv8+mbt2048": {"peak_device_memory_bytes": 80},
         "llama-8b/fp8-kv8+mbt4096": {"peak_device_memory_bytes": 90},  # no bf16+mbt4096: no ratio
+        # under one budget both fill it: the KV tokens that fit are compared, not the peaks
+        "llama-8b/bf16+gpu20": {"peak_device_memory_bytes": 210, "kv_cache_tokens": 30000},
+        "llama-8b/fp8+gpu20": {"peak_device_memory_bytes": 211, "kv_cache_tokens": 75000},
+        "llama-8b/fp8-kv8+gpu20": {"peak_device_memory_bytes": 209, "kv_cache_tokens": 150000},
+        "llama-8b/fp8+gpu16": {"peak_device_memory_bytes": 170, "kv_cache_tokens": 9000},  # no bf16+gpu16
     }
-    ratios = summarize(runs, "llama-8b")["peak_memory_ratio_vs_bf16_same_options"]
-    assert ratios == pytest.approx({"fp8+mbt2048": 0.625, "fp8-kv8+mbt2048": 0.5})
+    summary = summarize(runs, "llama-8b")
+    assert summary["peak_memory_ratio_vs_bf16_same_options"] == pytest.approx({"fp8+mbt2048": 0.625,
+                                                                               "fp8-kv8+mbt2048": 0.5})
+    assert summary["kv_cache_tokens_ratio_vs_bf16_same_budget"] == pytest.approx({"fp8+gpu20": 2.5,
+                                                                                  "fp8-kv8+gpu20": 5.0})
 
 
 def test_variant_names_and_options():
-    from evals.grpo_gpu import engine_kwargs, split_variant
+    from evals.grpo_gpu import engine_kwargs, memory_utilization, split_variant
 
     assert split_variant("fp8-kv8+mbt2048") == ("fp8-kv8", {"max_num_batched_tokens": 2048})
     assert engine_kwargs("fp8-kv8+mbt2048")["max_num_batched_tokens"] == 2048
     assert engine_kwargs("fp8-kv8+mbt2048")["kv_cache_dtype"] == "fp8"
     assert "max_num_batched_tokens" not in engine_kwargs("bf16")
-    for bad in ("fp8+mbt", "fp8+fast", "fp9"):
+    # a budget lets vLLM size the KV cache: no fixed bytes, and the budget is not a vLLM argument
+    assert split_variant("fp8-kv8+gpu20+mbt2048") == ("fp8-kv8", {"budget_gib": 20, "max_num_batched_tokens": 2048})
+    assert engine_kwargs("fp8-kv8+gpu20") == {"kv_cache_dtype": "fp8"}
+    assert engine_kwargs("bf16")["kv_cache_memory_bytes"] == 2 << 30
+    assert memory_utilization("bf16+gpu20", 80 << 30) == pytest.approx(0.25)
+    assert memory_utilization("bf16", 80 << 30) == 0.5
+    with pytest.raises(SystemExit, match="budget of 96 GiB is not below this GPU's 80.0 GiB"):
+        memory_utilization("fp8+gpu96", 80 << 30)
+    for bad in ("fp8+mbt", "fp8+fast", "fp9", "fp8+gpu0", "fp8+gpu1.5"):
         with pytest.raises(SystemExit, match="variant"):
             split_variant(bad)
 
@@ -79,5 +95,7 @@ def test_unknown_variant_stops_the_run_before_anything_is_built(tmp_path):
                            "bf16,fp8+mbtx", "--workdir", str(work), "--out", str(out)],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == "variant 'fp8+mbtx': unknown option 'mbtx' (known: +mbtN, e.g. +mbt2048)"
+    assert proc.stderr.strip().splitlines()[-1] == ("variant 'fp8+mbtx': unknown option 'mbtx' (known: "
+                                                   "+mbtN (tokens per vLLM forward pass, e.g. +mbt2048), "
+                                                   "+gpuN (a budget of N GiB, e.g. +gpu20))")
     assert not work.exists() and not out.exists()
