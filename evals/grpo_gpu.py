@@ -244,7 +244,8 @@ def engine_kwargs(variant: str) -> dict:
     (results/grpo_gpu_h100_casts.json)."""
     base, settings = split_variant(variant)
     budgeted = settings.pop("budget_gib", None) is not None
-    kv_bytes = {} if budgeted else {"kv_cache_memory_bytes": KV_CACHE_BYTES // 2 if base == "fp8-kv8" else KV_CACHE_BYTES}
+    kv_bytes = {} if budgeted else {
+        "kv_cache_memory_bytes": KV_CACHE_BYTES // 2 if base == "fp8-kv8" else KV_CACHE_BYTES}
     if base == "fp8-kv8":
         return {**kv_bytes, "kv_cache_dtype": "fp8", **settings}
     if base == "fp8-nocasts":
@@ -345,8 +346,8 @@ def run_variant(args) -> dict:
 
 def run_standalone(args) -> dict:
     """The same checkpoint, adapter and sampling as one GRPO step, in a plain vLLM engine."""
-    from vllm import LLM, SamplingParams
     import torch
+    from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
     from transformers import AutoConfig
