@@ -409,13 +409,15 @@ def summarize(runs: dict, shape: str) -> dict:
     for key, run in runs.items():
         if not key.startswith(f"{shape}/fp8") or "peak_device_memory_bytes" not in run:
             continue
-        options = key.split("/", 1)[1].partition("+")[2]
+        name = key.split("/", 1)[1]
+        options = name.partition("+")[2]
         baseline = runs.get(f"{shape}/bf16" + (f"+{options}" if options else ""), {})
-        if "budget_gib" in split_variant(key.split("/", 1)[1])[1]:  # both fill the budget: compare the KV tokens
+        # read, not validated: a results file may hold variants of older names (fp8-casts)
+        if any(o.startswith("gpu") for o in options.split("+")):  # both fill the budget: compare the KV tokens
             if baseline.get("kv_cache_tokens"):
-                kv_tokens[key.split("/", 1)[1]] = run["kv_cache_tokens"] / baseline["kv_cache_tokens"]
+                kv_tokens[name] = run["kv_cache_tokens"] / baseline["kv_cache_tokens"]
         elif "peak_device_memory_bytes" in baseline:
-            by_options[key.split("/", 1)[1]] = run["peak_device_memory_bytes"] / baseline["peak_device_memory_bytes"]
+            by_options[name] = run["peak_device_memory_bytes"] / baseline["peak_device_memory_bytes"]
     if by_options:
         summary["peak_memory_ratio_vs_bf16_same_options"] = by_options
     if kv_tokens:  # under one budget (+gpuN): the context the rollouts gain
