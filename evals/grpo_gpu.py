@@ -55,30 +55,43 @@ LORA_RANK = 32
 KV_CACHE_BYTES = 2 << 30
 
 
-def device_memory() -> tuple[int, int]:
-    """(device-wide used bytes, torch's reserved bytes)."""
+def device_used() -> int:
+    """Device-wide used bytes (total - free, as nvidia-smi sees them)."""
     import torch
 
     free, total = torch.cuda.mem_get_info()
-    return total - free, torch.cuda.memory_reserved()
+    return total - free
+
+
+def torch_reserved() -> int:
+    """torch's reserved bytes from the allocator's nested statistics: torch.cuda.memory_reserved() also flattens
+    and sorts all of them, a few hundred Python objects per call."""
+    import torch
+
+    return torch.cuda.memory_stats_as_nested_dict()["reserved_bytes"]["all"]["current"]
 
 
 class PeakMemory:
-    """Device-wide used memory (total - free, as nvidia-smi sees it) and torch's reserved memory, sampled on a
-    thread, with the peaks kept per phase ("generation", "training", or "other" around them): the difference
-    between the two is memory outside torch's allocator (CUDA context, kernel images, vLLM's KV cache pool)."""
+    """Device-wide used memory and torch's reserved memory, sampled on a thread, with the peaks kept per phase
+    ("generation", "training", or "other" around them): the difference between the two is memory outside torch's
+    allocator (CUDA context, kernel images, vLLM's KV cache pool). The runtime and the standalone engine both run
+    one, so the rollout rates compare like for like: the thread takes the GIL from vLLM's CPU-bound decode loop.
+    Device memory is read every `interval` (one cudaMemGetInfo), torch's reserved bytes every `reserved_every`-th
+    time (the allocator's peak statistic covers what falls between)."""
 
-    def __init__(self, interval: float = 0.002):
-        self.interval, self._stop = interval, threading.Event()
+    def __init__(self, interval: float = 0.002, reserved_every: int = 10):
+        self.interval, self.reserved_every, self._stop = interval, reserved_every, threading.Event()
         self.phase, self.phases = "other", {}
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
+        tick = 0
         while not self._stop.is_set():
-            used, reserved = device_memory()
             seen = self.phases.setdefault(self.phase, {"device_used_peak": 0, "torch_reserved_peak": 0})
-            seen["device_used_peak"] = max(seen["device_used_peak"], used)
-            seen["torch_reserved_peak"] = max(seen["torch_reserved_peak"], reserved)
+            seen["device_used_peak"] = max(seen["device_used_peak"], device_used())
+            if tick % self.reserved_every == 0:
+                seen["torch_reserved_peak"] = max(seen["torch_reserved_peak"], torch_reserved())
+            tick += 1
             time.sleep(self.interval)
 
     @property
@@ -102,6 +115,7 @@ class PhaseRollout:
     def __init__(self, engine, peak: PeakMemory, trace_step: int | None = None):
         self.engine, self.peak, self.name, self.asleep_memory = engine, peak, engine.name, None
         self.trace_step, self.step, self.traces, self._training = trace_step, 0, {}, None
+        self.wake_s = []  # per step: mapping the KV cache back before generating
 
     def _window(self):
         from evals.memory_trace import Window
@@ -111,6 +125,9 @@ class PhaseRollout:
     def generate(self, *args, **kwargs):
         self.step += 1
         self.peak.phase = "generation"
+        t0 = time.perf_counter()
+        self.engine.wake()  # generate() would wake it: timed apart, the part of a rollout a standalone engine skips
+        self.wake_s.append(time.perf_counter() - t0)
         window = self._window()
         try:
             if window is None:
@@ -146,8 +163,8 @@ def memory_snapshot() -> dict:
     import torch
 
     torch.cuda.synchronize()
-    used, reserved = device_memory()
-    return {"device_used": used, "torch_reserved": reserved, "torch_allocated": torch.cuda.memory_allocated()}
+    return {"device_used": device_used(), "torch_reserved": torch.cuda.memory_reserved(),
+            "torch_allocated": torch.cuda.memory_allocated()}
 
 
 def build(workdir: Path, shape: str) -> Path:
@@ -339,7 +356,7 @@ def run_variant(args) -> dict:
         "rollout_tokens_per_s": sorted(h["rollout_tokens_per_s"] for h in steady)[len(steady) // 2],
         "generation_s": sum(h["generation_s"] for h in steady), "training_s": sum(h["training_s"] for h in steady),
         "reward_curve": [h["reward_mean"] for h in history], "mismatch_kl": [h["mismatch_kl"] for h in history],
-        "steps": history, "adapter": str(adapter),
+        "wake_s": phased.wake_s, "steps": history, "adapter": str(adapter),
         **({"memory_trace": {"step": args.trace_step, **phased.traces}} if args.trace_step else {}),
     }
 
@@ -364,18 +381,21 @@ def run_standalone(args) -> dict:
     lora = LoRARequest("adapter", 1, args.adapter)
     prompts = prompts_for(vocab, 256, WORKLOAD["prompt_tokens"])
     rates = []
-    for step in range(1, args.steps + 1):
-        import random
+    with PeakMemory() as peak:  # the runtime's sampler, so that both pay for it
+        peak.phase = "generation"
+        for step in range(1, args.steps + 1):
+            import random
 
-        picked = random.Random(step).sample(prompts, WORKLOAD["prompts_per_step"])
-        params = SamplingParams(n=WORKLOAD["num_generations"], max_tokens=WORKLOAD["max_completion_length"],
-                                temperature=1.0, logprobs=0, seed=step)
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in picked], params, lora_request=lora, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        rates.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / seconds)
+            picked = random.Random(step).sample(prompts, WORKLOAD["prompts_per_step"])
+            params = SamplingParams(n=WORKLOAD["num_generations"], max_tokens=WORKLOAD["max_completion_length"],
+                                    temperature=1.0, logprobs=0, seed=step)
+            t0 = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in picked], params, lora_request=lora, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            rates.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / seconds)
     steady = rates[1:] or rates
-    return {"rollout_tokens_per_s": sorted(steady)[len(steady) // 2], "per_step": rates}
+    return {"rollout_tokens_per_s": sorted(steady)[len(steady) // 2], "per_step": rates,
+            "peak_device_memory_bytes": peak.peak}
 
 
 def subprocess_json(argv: list[str], env: dict, timeout: float = 560) -> dict:

@@ -30,6 +30,8 @@ def test_vllm_shares_the_trainers_weights(tmp_path, variant):
     # building the trainer allocated the LoRA parameters, not a second copy of the weights
     assert weights["trainer_allocated_bytes"] < 2 * weights["trainer_lora_bytes"] + (8 << 20)
     assert len(run["reward_curve"]) == 3
+    # the first step's wake is a no-op (the engine starts awake); every later one maps the KV cache back
+    assert len(run["wake_s"]) == 3 and all(0 <= w < 5 for w in run["wake_s"]), run["wake_s"]
     # the fixed 2 GiB KV cache, read back from the engine: tiny has 2 layers x 1 KV head x 128 dims, K and V,
     # 2 bytes each (bf16), so 1 KiB a token; vLLM rounds down to whole blocks
     assert 0 <= (2 << 30) // 1024 - run["kv_cache_tokens"] < 1024, run["kv_cache_tokens"]

@@ -101,3 +101,40 @@ def test_unknown_variant_stops_the_run_before_anything_is_built(tmp_path):
                                                    "+mbtN (tokens per vLLM forward pass, e.g. +mbt2048), "
                                                    "+gpuN (a budget of N GiB, e.g. +gpu20))")
     assert not work.exists() and not out.exists()
+
+
+def test_peak_memory_keeps_each_phases_peak_and_reads_reserved_every_nth_sample(monkeypatch):
+    import threading
+    import time
+
+    from evals import grpo_gpu
+
+    reads = {"used": 0, "reserved": 0}
+    used = {"generation": [5, 9, 7], "training": [3, 4, 2]}  # what the device reports in each phase, cycled
+    lock = threading.Lock()
+    peak = grpo_gpu.PeakMemory(interval=0.0005, reserved_every=4)
+
+    def device_used():
+        with lock:
+            reads["used"] += 1
+            values = used.get(peak.phase, [1])
+            return values[reads["used"] % len(values)]
+
+    def torch_reserved():
+        with lock:
+            reads["reserved"] += 1
+        return {"generation": 6, "training": 8}.get(peak.phase, 0)
+
+    monkeypatch.setattr(grpo_gpu, "device_used", device_used)
+    monkeypatch.setattr(grpo_gpu, "torch_reserved", torch_reserved)
+    with peak:
+        for phase in ("generation", "training", "other"):
+            peak.phase = phase
+            start = reads["used"]
+            while reads["used"] - start < 40:  # enough samples in this phase to see every value
+                time.sleep(0.001)
+    assert peak.phases["generation"]["device_used_peak"] == 9
+    assert peak.phases["training"]["device_used_peak"] == 4
+    assert peak.peak == 9
+    assert peak.phases["training"]["torch_reserved_peak"] == 8
+    assert reads["reserved"] <= reads["used"] // 4 + 1  # the costly read, one sample in four
