@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import shutil
 import sys
 import threading
@@ -77,7 +78,7 @@ class PeakMemory:
     allocator (CUDA context, kernel images, vLLM's KV cache pool). The runtime and the standalone engine both run
     one, so the rollout rates compare like for like: the thread takes the GIL from vLLM's CPU-bound decode loop.
     Device memory is read every `interval` (one cudaMemGetInfo), torch's reserved bytes every `reserved_every`-th
-    time (the allocator's peak statistic covers what falls between)."""
+    time, so a reserved peak shorter than that can go unseen (the device-wide peak, the one reported, cannot)."""
 
     def __init__(self, interval: float = 0.002, reserved_every: int = 10):
         self.interval, self.reserved_every, self._stop = interval, reserved_every, threading.Event()
@@ -115,7 +116,7 @@ class PhaseRollout:
     def __init__(self, engine, peak: PeakMemory, trace_step: int | None = None):
         self.engine, self.peak, self.name, self.asleep_memory = engine, peak, engine.name, None
         self.trace_step, self.step, self.traces, self._training = trace_step, 0, {}, None
-        self.wake_s = []  # per step: mapping the KV cache back before generating
+        self.wake_s = []  # per step: what waking took inside the generation window
 
     def _window(self):
         from evals.memory_trace import Window
@@ -126,7 +127,7 @@ class PhaseRollout:
         self.step += 1
         self.peak.phase = "generation"
         t0 = time.perf_counter()
-        self.engine.wake()  # generate() would wake it: timed apart, the part of a rollout a standalone engine skips
+        self.engine.wake()  # a no-op when wake() below ran at the end of training: timed to show the window holds none
         self.wake_s.append(time.perf_counter() - t0)
         window = self._window()
         try:
@@ -199,8 +200,6 @@ def prepare(args) -> dict:
 
 
 def prompts_for(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
-    import random
-
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
 
@@ -384,8 +383,6 @@ def run_standalone(args) -> dict:
     with PeakMemory() as peak:  # the runtime's sampler, so that both pay for it
         peak.phase = "generation"
         for step in range(1, args.steps + 1):
-            import random
-
             picked = random.Random(step).sample(prompts, WORKLOAD["prompts_per_step"])
             params = SamplingParams(n=WORKLOAD["num_generations"], max_tokens=WORKLOAD["max_completion_length"],
                                     temperature=1.0, logprobs=0, seed=step)
