@@ -25,6 +25,7 @@ peaks of step N's generation and training (evals/memory_trace.py).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -108,15 +109,53 @@ class PeakMemory:
         self._thread.join()
 
 
+class GCPauses:
+    """Seconds the cycle collector ran, and its full (oldest-generation) collections, from gc.callbacks. vLLM's
+    decode loop is Python, and a collection holds the interpreter: a full one walks every tracked object that is not
+    frozen, and vLLM freezes only its own startup heap (vllm/utils/gc_utils.py freeze_gc_heap, called when the engine
+    is built), so in the runtime the trainer's objects, made after that, are walked during rollouts as well."""
+
+    def __init__(self):
+        self.seconds, self.full, self._t0 = 0.0, 0, None
+
+    def _callback(self, phase: str, info: dict):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self.full += info["generation"] == 2
+            self._t0 = None
+
+    def mark(self) -> tuple[float, int]:
+        return self.seconds, self.full
+
+    def since(self, mark: tuple[float, int]) -> dict:
+        return {"gc_s": self.seconds - mark[0], "gc_full_collections": self.full - mark[1]}
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+
+def gc_heap() -> dict:
+    """Objects the collector tracks (walked by a full collection) and those frozen (skipped)."""
+    return {"tracked_objects": len(gc.get_objects()), "frozen_objects": gc.get_freeze_count()}
+
+
 class PhaseRollout:
     """The runtime's rollout engine, telling PeakMemory which phase of a GRPO step is running: generation from
     generate() until it returns, training from sleep() (KV cache released) until wake(). With trace_step, that
     step's generation and training each record torch's allocation trace (evals/memory_trace.py) into .traces."""
 
-    def __init__(self, engine, peak: PeakMemory, trace_step: int | None = None):
-        self.engine, self.peak, self.name, self.asleep_memory = engine, peak, engine.name, None
+    def __init__(self, engine, peak: PeakMemory, pauses: GCPauses, trace_step: int | None = None):
+        self.engine, self.peak, self.pauses, self.name, self.asleep_memory = engine, peak, pauses, engine.name, None
         self.trace_step, self.step, self.traces, self._training = trace_step, 0, {}, None
         self.wake_s = []  # per step: what waking took inside the generation window
+        self.gc = []  # per step: the collector's time and full collections inside the generation window
+        self.heap = None  # gc_heap() before the first generation
 
     def _window(self):
         from evals.memory_trace import Window
@@ -125,6 +164,9 @@ class PhaseRollout:
 
     def generate(self, *args, **kwargs):
         self.step += 1
+        if self.heap is None:
+            self.heap = gc_heap()
+        mark = self.pauses.mark()
         self.peak.phase = "generation"
         t0 = time.perf_counter()
         self.engine.wake()  # a no-op when wake() below ran at the end of training: timed to show the window holds none
@@ -137,6 +179,7 @@ class PhaseRollout:
                 return self.engine.generate(*args, **kwargs)
         finally:
             self.peak.phase = "other"
+            self.gc.append(self.pauses.since(mark))
             if window is not None:
                 self.traces["generation"] = window.summary
 
@@ -225,7 +268,8 @@ class TokenPrompts:
         return [""] * len(ids)
 
 
-VARIANT_OPTIONS = "+mbtN (tokens per vLLM forward pass, e.g. +mbt2048), +gpuN (a budget of N GiB, e.g. +gpu20)"
+VARIANT_OPTIONS = ("+mbtN (tokens per vLLM forward pass, e.g. +mbt2048), +gpuN (a budget of N GiB, e.g. +gpu20), "
+                   "+gcfreeze (freeze the collector's heap before training)")
 
 
 def split_variant(variant: str) -> tuple[str, dict]:
@@ -234,7 +278,9 @@ def split_variant(variant: str) -> tuple[str, dict]:
     activation memory of a generation: the runtime's default is 2048 (ROLLOUT_MAX_BATCHED_TOKENS), vLLM's own for
     its LLM class on an 80 GB GPU 16384 (`+mbt16384`). `+gpuN` gives vLLM N GiB (gpu_memory_utilization) and lets
     it size the KV cache from what its profiling run leaves, instead of the fixed KV_CACHE_BYTES: the KV tokens
-    that fit in the same budget are the context an FP8 model gains over BF16."""
+    that fit in the same budget are the context an FP8 model gains over BF16. `+gcfreeze` freezes the cycle
+    collector's heap (as vLLM does with its own after building the engine) once the trainer is built, so that full
+    collections during rollouts skip the trainer's objects (GCPauses)."""
     base, *extras = variant.split("+")
     if base not in BASE_VARIANTS:
         raise SystemExit(f"variant {variant!r}: unknown; known: {', '.join(BASE_VARIANTS)}, each with options "
@@ -245,6 +291,8 @@ def split_variant(variant: str) -> tuple[str, dict]:
             settings["max_num_batched_tokens"] = int(extra[3:])
         elif extra.startswith("gpu") and extra[3:].isdigit() and int(extra[3:]) > 0:
             settings["budget_gib"] = int(extra[3:])
+        elif extra == "gcfreeze":
+            settings["gc_freeze"] = True
         else:
             raise SystemExit(f"variant {variant!r}: unknown option {extra!r} (known: {VARIANT_OPTIONS})")
     return base, settings
@@ -259,6 +307,7 @@ def engine_kwargs(variant: str) -> dict:
     (evals/mismatch_sources.py); keeping it cut the mismatch KL from 0.0195 to 0.0145 on an H100
     (results/grpo_gpu_h100_casts.json)."""
     base, settings = split_variant(variant)
+    settings.pop("gc_freeze", None)
     budgeted = settings.pop("budget_gib", None) is not None
     kv_bytes = {} if budgeted else {
         "kv_cache_memory_bytes": KV_CACHE_BYTES // 2 if base == "fp8-kv8" else KV_CACHE_BYTES}
@@ -311,6 +360,10 @@ def run_variant(args) -> dict:
                                   gpu_memory_utilization=memory_utilization(args.variant, torch.cuda.mem_get_info()[1]),
                                   vllm_kwargs=engine_kwargs(args.variant))
     load_s = time.perf_counter() - t0
+    if split_variant(args.variant)[1].get("gc_freeze"):
+        from vllm.utils.gc_utils import freeze_gc_heap
+
+        freeze_gc_heap()
     snapshots["loaded"] = memory_snapshot()
     torch.cuda.empty_cache()  # what of "loaded" is torch's cache left over from vLLM's profiling run
     snapshots["loaded_cache_emptied"] = memory_snapshot()
@@ -332,8 +385,8 @@ def run_variant(args) -> dict:
                         max_completion_length=WORKLOAD["max_completion_length"], learning_rate=1e-3,
                         gradient_accumulation_steps=16, seed=0)
     history = []
-    with PeakMemory() as peak:
-        phased = PhaseRollout(engine, peak, args.trace_step)
+    with PeakMemory() as peak, GCPauses() as pauses:
+        phased = PhaseRollout(engine, peak, pauses, args.trace_step)
         train(model, TokenPrompts(tokenizer, table), list(table), [low_token_reward(vocab)], config, rollout=phased,
               on_step=lambda m: (history.append(m), print(json.dumps(m), flush=True)))
     snapshots["first_sleep"] = phased.asleep_memory
@@ -355,44 +408,61 @@ def run_variant(args) -> dict:
         "rollout_tokens_per_s": sorted(h["rollout_tokens_per_s"] for h in steady)[len(steady) // 2],
         "generation_s": sum(h["generation_s"] for h in steady), "training_s": sum(h["training_s"] for h in steady),
         "reward_curve": [h["reward_mean"] for h in history], "mismatch_kl": [h["mismatch_kl"] for h in history],
-        "wake_s": phased.wake_s, "steps": history, "adapter": str(adapter),
+        "wake_s": phased.wake_s, "gc_heap": phased.heap, "gc_in_generation": phased.gc, "steps": history, "adapter": str(adapter),
         **({"memory_trace": {"step": args.trace_step, **phased.traces}} if args.trace_step else {}),
     }
 
 
 def run_standalone(args) -> dict:
-    """The same checkpoint, adapter and sampling as one GRPO step, in a plain vLLM engine."""
+    """The same checkpoint, adapter and sampling as one GRPO step, in a plain vLLM engine: with vLLM's settings, or
+    with --standalone-settings runtime the runtime engine's own (rollout_llm_kwargs, rollout_sampling_params: sleep
+    mode, processed log-probabilities, LoRA on the projections only, a seed per prompt), which tells a cost of those
+    settings from a cost of sharing the process with the trainer."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
     from transformers import AutoConfig
 
-    from fp8kit.rl.vllm_engine import rollout_engine_kwargs
+    from fp8kit.rl.vllm_engine import rollout_engine_kwargs, rollout_llm_kwargs, rollout_sampling_params
 
     config = AutoConfig.from_pretrained(args.checkpoint)
     vocab = config.vocab_size
-    # the settings the runtime's engine gets for this checkpoint (the compile settings included)
-    kwargs = rollout_engine_kwargs(getattr(config, "quantization_config", None) or {}, engine_kwargs(args.variant))
-    llm = LLM(args.checkpoint, dtype="bfloat16", enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1,
-              max_model_len=WORKLOAD["prompt_tokens"] + WORKLOAD["max_completion_length"] + 8,
-              gpu_memory_utilization=memory_utilization(args.variant, torch.cuda.mem_get_info()[1]), seed=0, **kwargs)
+    max_len = WORKLOAD["prompt_tokens"] + WORKLOAD["max_completion_length"] + 8
+    utilization = memory_utilization(args.variant, torch.cuda.mem_get_info()[1])
+    n, max_tokens = WORKLOAD["num_generations"], WORKLOAD["max_completion_length"]
+    if args.standalone_settings == "runtime":
+        llm = LLM(args.checkpoint, **rollout_llm_kwargs(args.checkpoint, torch.bfloat16, max_len, utilization, LORA_RANK,
+                                                        None, engine_kwargs(args.variant)))
+
+        def sampling(picked, step):
+            return rollout_sampling_params(len(picked), n, max_tokens, 1.0, 1.0, step)
+    else:
+        # the settings the runtime's engine gets for this checkpoint (the compile settings included)
+        kwargs = rollout_engine_kwargs(getattr(config, "quantization_config", None) or {}, engine_kwargs(args.variant))
+        llm = LLM(args.checkpoint, dtype="bfloat16", enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1,
+                  max_model_len=max_len, gpu_memory_utilization=utilization, seed=0, **kwargs)
+
+        def sampling(picked, step):
+            return SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, logprobs=0, seed=step)
     lora = LoRARequest("adapter", 1, args.adapter)
     prompts = prompts_for(vocab, 256, WORKLOAD["prompt_tokens"])
-    rates = []
-    with PeakMemory() as peak:  # the runtime's sampler, so that both pay for it
+    rates, collected = [], []
+    heap = gc_heap()
+    with PeakMemory() as peak, GCPauses() as pauses:  # the runtime's samplers, so that both pay for them
         peak.phase = "generation"
         for step in range(1, args.steps + 1):
             picked = random.Random(step).sample(prompts, WORKLOAD["prompts_per_step"])
-            params = SamplingParams(n=WORKLOAD["num_generations"], max_tokens=WORKLOAD["max_completion_length"],
-                                    temperature=1.0, logprobs=0, seed=step)
+            params = sampling(picked, step)
+            mark = pauses.mark()
             t0 = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in picked], params, lora_request=lora, use_tqdm=False)
             seconds = time.perf_counter() - t0
+            collected.append(pauses.since(mark))
             rates.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / seconds)
     steady = rates[1:] or rates
-    return {"rollout_tokens_per_s": sorted(steady)[len(steady) // 2], "per_step": rates,
-            "peak_device_memory_bytes": peak.peak}
+    return {"settings": args.standalone_settings, "rollout_tokens_per_s": sorted(steady)[len(steady) // 2],
+            "per_step": rates, "peak_device_memory_bytes": peak.peak, "gc_heap": heap, "gc_in_generation": collected}
 
 
 def subprocess_json(argv: list[str], env: dict, timeout: float = 560) -> dict:
@@ -420,8 +490,9 @@ def summarize(runs: dict, shape: str) -> dict:
         summary["peak_memory_ratio_fp8_vs_bf16"] = fp8["peak_device_memory_bytes"] / bf16["peak_device_memory_bytes"]
         summary["peak_torch_allocated_ratio_fp8_vs_bf16"] = (fp8["peak_torch_allocated_bytes"]
                                                              / bf16["peak_torch_allocated_bytes"])
-    if "rollout_vs_standalone_vllm" in fp8:
-        summary["rollout_vs_standalone_vllm"] = fp8["rollout_vs_standalone_vllm"]
+    for ratio in ("rollout_vs_standalone_vllm", "rollout_vs_standalone_runtime_settings"):
+        if ratio in fp8:
+            summary[ratio] = fp8[ratio]
     by_options, kv_tokens = {}, {}  # every FP8 variant against the bf16 run with the same engine options
     for key, run in runs.items():
         if not key.startswith(f"{shape}/fp8") or "peak_device_memory_bytes" not in run:
@@ -457,6 +528,9 @@ def main():
                     "training and report what holds the memory at each one's peak (the step's timings are dropped "
                     "from the rates)")
     ap.add_argument("--standalone-only", action="store_true", help="add the standalone engine to earlier runs")
+    ap.add_argument("--standalone-settings", choices=["vllm", "runtime"], default="vllm",
+                    help="the standalone engine's settings: vLLM's defaults (the headline ratio) or the runtime "
+                    "engine's own (recorded beside it as standalone_runtime_settings)")
     ap.add_argument("--variant")  # internal: one runtime run
     ap.add_argument("--checkpoint")
     ap.add_argument("--standalone", action="store_true")  # internal
@@ -502,11 +576,14 @@ def main():
                                   + (["--trace-step", str(args.trace_step)] if args.trace_step else []),
                                   env, args.child_timeout)
         if "adapter" in run and not args.skip_standalone:
-            run["standalone"] = subprocess_json(["--variant", variant, "--standalone", "--checkpoint", str(checkpoint),
-                                                 "--adapter", run["adapter"], "--steps", str(args.steps),
-                                                 "--workdir", str(workdir)], env, args.child_timeout)
-            if "rollout_tokens_per_s" in run["standalone"]:
-                run["rollout_vs_standalone_vllm"] = run["rollout_tokens_per_s"] / run["standalone"]["rollout_tokens_per_s"]
+            key, ratio = (("standalone", "rollout_vs_standalone_vllm") if args.standalone_settings == "vllm" else
+                          ("standalone_runtime_settings", "rollout_vs_standalone_runtime_settings"))
+            run[key] = subprocess_json(["--variant", variant, "--standalone", "--checkpoint", str(checkpoint),
+                                        "--adapter", run["adapter"], "--steps", str(args.steps), "--workdir",
+                                        str(workdir), "--standalone-settings", args.standalone_settings],
+                                       env, args.child_timeout)
+            if "rollout_tokens_per_s" in run[key]:
+                run[ratio] = run["rollout_tokens_per_s"] / run[key]["rollout_tokens_per_s"]
         runs[f"{args.shape}/{variant}"] = run
         print(variant, json.dumps({k: v for k, v in run.items() if k != "steps"})[:3000], flush=True)
         out.write_text(json.dumps(report, indent=2) + "\n")

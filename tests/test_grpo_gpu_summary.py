@@ -2,6 +2,7 @@
 
 import pytest
 
+from evals import grpo_gpu
 from evals.grpo_gpu import summarize
 
 
@@ -98,8 +99,7 @@ def test_unknown_variant_stops_the_run_before_anything_is_built(tmp_path):
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == ("variant 'fp8+mbtx': unknown option 'mbtx' (known: "
-                                                   "+mbtN (tokens per vLLM forward pass, e.g. +mbt2048), "
-                                                   "+gpuN (a budget of N GiB, e.g. +gpu20))")
+                                                   f"{grpo_gpu.VARIANT_OPTIONS})")
     assert not work.exists() and not out.exists()
 
 
@@ -138,3 +138,31 @@ def test_peak_memory_keeps_each_phases_peak_and_reads_reserved_every_nth_sample(
     assert peak.peak == 9
     assert peak.phases["training"]["torch_reserved_peak"] == 8
     assert reads["reserved"] <= reads["used"] // 4 + 1  # the costly read, one sample in four
+
+
+def test_gc_pauses_time_the_collector_and_count_its_full_collections():
+    import gc
+
+    with grpo_gpu.GCPauses() as pauses:
+        mark = pauses.mark()
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+        seen = pauses.since(mark)
+    gc.collect(2)  # after the block: not counted
+    assert seen["gc_full_collections"] == 2 and seen["gc_s"] > 0
+    assert pauses.full == 2 and pauses.seconds == seen["gc_s"]
+
+
+def test_gc_heap_counts_frozen_objects_apart_from_tracked_ones():
+    import gc
+
+    held = [[i] for i in range(5000)]  # lists are tracked by the collector
+    before = grpo_gpu.gc_heap()
+    gc.freeze()
+    try:
+        after = grpo_gpu.gc_heap()
+    finally:
+        gc.unfreeze()
+    assert after["frozen_objects"] - before["frozen_objects"] >= len(held)
+    assert before["tracked_objects"] - after["tracked_objects"] >= len(held)

@@ -131,6 +131,39 @@ def rollout_engine_kwargs(quantization_config: dict, engine_kwargs: dict) -> dic
     return kwargs
 
 
+def rollout_llm_kwargs(path: str | Path, dtype: torch.dtype, max_seq_length: int, gpu_memory_utilization: float,
+                       lora_rank: int, target_modules, engine_kwargs: dict) -> dict:
+    """Every argument the rollout engine's vllm.LLM gets besides the path, the input checked first."""
+    from fp8kit.rl.loader import DEFAULT_TARGETS
+
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise Fp8kitError(f"dtype {dtype}: vLLM rollouts need torch.bfloat16 or torch.float16")
+    if lora_rank and lora_rank not in LORA_RANKS:
+        raise Fp8kitError(f"lora_rank={lora_rank}: vLLM serves LoRA ranks {', '.join(map(str, LORA_RANKS))}; "
+                          f"pick one of them (or fast_inference=False)")
+    config_file = Path(path) / "config.json"
+    qc = (json.loads(config_file.read_text()).get("quantization_config") or {}) if config_file.exists() else {}
+    if any("lm_head" in g.get("targets", ()) for g in qc.get("config_groups", {}).values()):
+        raise Fp8kitError(f"{path}: lm_head is FP8 (converted with --lm-head); the trainer shares vLLM's lm_head "
+                          f"in source precision only: convert without --lm-head for GRPO")
+    lora = {}
+    if lora_rank:  # only the projections: left unrestricted, vLLM would also wrap embed_tokens and lm_head
+        lora = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=1,
+                    lora_target_modules=list(target_modules or DEFAULT_TARGETS))
+    return dict(dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], max_model_len=max_seq_length,
+                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
+                logprobs_mode="processed_logprobs", seed=0, **lora, **rollout_engine_kwargs(qc, engine_kwargs))
+
+
+def rollout_sampling_params(prompts: int, n: int, max_tokens: int, temperature: float, top_p: float, seed: int) -> list:
+    """One SamplingParams per prompt, each with its own seed: vLLM seeds a prompt's j-th sample with seed + j, so a
+    shared seed would give the same sample slot of every prompt the same random stream."""
+    from vllm import SamplingParams
+
+    return [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
+                           seed=(seed * 65537 + i * n) % (2**31 - 1)) for i in range(prompts)]
+
+
 class VLLMRollout:
     """A vLLM engine in this process; its weights are the training model's."""
 
@@ -141,31 +174,15 @@ class VLLMRollout:
                  **engine_kwargs):
         from fp8kit.rl.loader import DEFAULT_TARGETS
 
-        if dtype not in (torch.bfloat16, torch.float16):
-            raise Fp8kitError(f"dtype {dtype}: vLLM rollouts need torch.bfloat16 or torch.float16")
-        if lora_rank and lora_rank not in LORA_RANKS:
-            raise Fp8kitError(f"lora_rank={lora_rank}: vLLM serves LoRA ranks {', '.join(map(str, LORA_RANKS))}; "
-                              f"pick one of them (or fast_inference=False)")
-        config_file = Path(path) / "config.json"
-        qc = (json.loads(config_file.read_text()).get("quantization_config") or {}) if config_file.exists() else {}
-        if any("lm_head" in g.get("targets", ()) for g in qc.get("config_groups", {}).values()):
-            raise Fp8kitError(f"{path}: lm_head is FP8 (converted with --lm-head); the trainer shares vLLM's lm_head "
-                              f"in source precision only: convert without --lm-head for GRPO")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model must live in this process
-        engine_kwargs = rollout_engine_kwargs(qc, engine_kwargs)
+        kwargs = rollout_llm_kwargs(path, dtype, max_seq_length, gpu_memory_utilization, lora_rank, target_modules,
+                                    engine_kwargs)
         from vllm import LLM
 
         self.path = Path(path)
         self.lora_rank = lora_rank
-        # only the projections: left unrestricted, vLLM would also wrap embed_tokens and lm_head
         self.target_modules = list(target_modules or DEFAULT_TARGETS)
-        lora = {}
-        if lora_rank:
-            lora = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=1,
-                        lora_target_modules=self.target_modules)
-        self.llm = LLM(str(path), dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype],
-                       max_model_len=max_seq_length, gpu_memory_utilization=gpu_memory_utilization,
-                       enable_sleep_mode=True, logprobs_mode="processed_logprobs", seed=0, **lora, **engine_kwargs)
+        self.llm = LLM(str(path), **kwargs)
         worker = self.llm.llm_engine.model_executor.driver_worker.worker
         self.runner = worker.model_runner
         self.vllm_model = worker.get_model()
@@ -260,13 +277,8 @@ class VLLMRollout:
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int = 0) -> list[Completion]:
-        from vllm import SamplingParams
-
         self.wake()
-        # one seed per prompt: vLLM seeds a prompt's j-th sample with seed + j, so a shared seed would give the same
-        # sample slot of every prompt the same random stream
-        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
-                                 seed=(seed * 65537 + i * n) % (2**31 - 1)) for i in range(len(prompt_ids))]
+        params = rollout_sampling_params(len(prompt_ids), n, max_tokens, temperature, top_p, seed)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, lora_request=self.lora_request,
                                  use_tqdm=False)
         completions = []
