@@ -57,6 +57,9 @@ BASE_VARIANTS = ("bf16", "fp8", "fp8-kv8", "fp8-nocasts", "fp8-f32acc")
 WORKLOAD = dict(prompts_per_step=16, num_generations=8, prompt_tokens=128, max_completion_length=256)
 LORA_RANK = 32
 KV_CACHE_BYTES = 2 << 30
+# --standalone-settings -> (where a run keeps that standalone engine's result, the ratio of the runtime's rate to it)
+STANDALONE_SETTINGS = {"vllm": ("standalone", "rollout_vs_standalone_vllm"),
+                       "runtime": ("standalone_runtime_settings", "rollout_vs_standalone_runtime_settings")}
 
 
 def device_used() -> int:
@@ -345,6 +348,11 @@ def kv_cache_tokens(llm) -> int:
     return int(cache.num_gpu_blocks) * int(cache.block_size)
 
 
+def steady_steps(steps: list[dict], trace_step: int | None) -> list[dict]:
+    """The steps a rate is taken over: not the first (compiling, warming up), not the traced one (tracing slows it)."""
+    return [h for h in steps[1:] if h["step"] != trace_step] or steps
+
+
 def run_variant(args) -> dict:
     import torch
 
@@ -396,7 +404,7 @@ def run_variant(args) -> dict:
     shutil.rmtree(adapter, ignore_errors=True)
     adapter.mkdir(parents=True)
     write_adapter(model, adapter, str(checkpoint))
-    steady = [h for h in history[1:] if h["step"] != args.trace_step] or history  # tracing slows a step
+    steady = steady_steps(history, args.trace_step)
     return {
         "checkpoint": str(checkpoint), "scheme": model.fp8_scheme, "load_s": load_s,
         "weights": {"vllm_weight_bytes": vllm_bytes, "trainer_base_tensors": len(base),
@@ -492,7 +500,7 @@ def summarize(runs: dict, shape: str) -> dict:
         summary["peak_memory_ratio_fp8_vs_bf16"] = fp8["peak_device_memory_bytes"] / bf16["peak_device_memory_bytes"]
         summary["peak_torch_allocated_ratio_fp8_vs_bf16"] = (fp8["peak_torch_allocated_bytes"]
                                                              / bf16["peak_torch_allocated_bytes"])
-    for ratio in ("rollout_vs_standalone_vllm", "rollout_vs_standalone_runtime_settings"):
+    for _, ratio in STANDALONE_SETTINGS.values():
         if ratio in fp8:
             summary[ratio] = fp8[ratio]
     by_options, kv_tokens = {}, {}  # every FP8 variant against the bf16 run with the same engine options
@@ -530,7 +538,7 @@ def main():
                     "training and report what holds the memory at each one's peak (the step's timings are dropped "
                     "from the rates)")
     ap.add_argument("--standalone-only", action="store_true", help="add the standalone engine to earlier runs")
-    ap.add_argument("--standalone-settings", choices=["vllm", "runtime"], default="vllm",
+    ap.add_argument("--standalone-settings", choices=list(STANDALONE_SETTINGS), default="vllm",
                     help="the standalone engine's settings: vLLM's defaults (the headline ratio) or the runtime "
                     "engine's own (recorded beside it as standalone_runtime_settings)")
     ap.add_argument("--variant")  # internal: one runtime run
@@ -578,8 +586,7 @@ def main():
                                   + (["--trace-step", str(args.trace_step)] if args.trace_step else []),
                                   env, args.child_timeout)
         if "adapter" in run and not args.skip_standalone:
-            key, ratio = (("standalone", "rollout_vs_standalone_vllm") if args.standalone_settings == "vllm" else
-                          ("standalone_runtime_settings", "rollout_vs_standalone_runtime_settings"))
+            key, ratio = STANDALONE_SETTINGS[args.standalone_settings]
             run[key] = subprocess_json(["--variant", variant, "--standalone", "--checkpoint", str(checkpoint),
                                         "--adapter", run["adapter"], "--steps", str(args.steps), "--workdir",
                                         str(workdir), "--standalone-settings", args.standalone_settings],

@@ -23,8 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-STANDALONES = {"standalone": "rollout_vs_standalone_vllm",
-               "standalone_runtime_settings": "rollout_vs_standalone_runtime_settings"}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from evals.grpo_gpu import STANDALONE_SETTINGS, steady_steps  # noqa: E402
+
+STANDALONES = dict(STANDALONE_SETTINGS.values())  # a run's key for a standalone engine -> the ratio's name
 
 
 def read_round(path: Path, run_key: str) -> dict:
@@ -36,14 +39,14 @@ def read_round(path: Path, run_key: str) -> dict:
     run = report.get("runs", {}).get(run_key)
     if not run or not run.get("steps"):
         raise SystemExit(f"{path}: no runtime run {run_key!r} with steps; pass files written by evals/grpo_gpu.py")
-    steady = [s["rollout_tokens_per_s"] for s in run["steps"][1:] if s["step"] != run.get("memory_trace", {}).get("step")]
+    steady = [s["rollout_tokens_per_s"] for s in steady_steps(run["steps"], run.get("memory_trace", {}).get("step"))]
     found = {"file": path.name, "gpu": report.get("gpu"), "vllm": report.get("vllm"), "torch": report.get("torch"),
              "commands": report.get("commands", []),
              "runtime": {"steady_rates": steady, "median": statistics.median(steady),
                          "gc_s_per_generation": _mean_gc(run)}}
     for key in STANDALONES:
         if "per_step" in run.get(key, {}):
-            rates = run[key]["per_step"][1:]
+            rates = run[key]["per_step"][1:] or run[key]["per_step"]
             found[key] = {"steady_rates": rates, "median": statistics.median(rates),
                           "gc_s_per_generation": _mean_gc(run[key])}
     if "standalone" not in found:

@@ -68,3 +68,23 @@ def test_a_file_that_is_not_json_names_itself(tmp_path):
     broken.write_text("{")
     with pytest.raises(SystemExit, match="broken.json: not a readable grpo_gpu.py results file"):
         rollout_rounds.main([str(broken), "--out", str(tmp_path / "o.json")])
+
+
+def test_a_file_without_the_runtime_run_names_the_run(tmp_path):
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"runs": {"llama-8b/fp8": {"steps": [{"step": 1, "rollout_tokens_per_s": 1.0}]}}}))
+    with pytest.raises(SystemExit, match="other.json: no runtime run 'tinyllama-1.1b/fp8' with steps"):
+        rollout_rounds.main([str(other), "--out", str(tmp_path / "o.json")])
+    rollout_rounds.main([str(write_round(tmp_path / "a.json", [1.0, 10], [5.0, 10])), "--run", "tinyllama-1.1b/fp8",
+                         "--out", str(tmp_path / "o.json")])
+    assert (tmp_path / "o.json").exists()
+
+
+def test_an_unreadable_headline_file_stops_before_anything_is_written(tmp_path):
+    a = write_round(tmp_path / "a.json", [1.0, 10, 12], [5.0, 10, 10])
+    headline = tmp_path / "grpo_gpu.json"
+    headline.write_text("not json")
+    out = tmp_path / "rounds.json"
+    with pytest.raises(SystemExit, match="grpo_gpu.json: not a readable grpo_gpu.py results file"):
+        rollout_rounds.main([str(a), "--out", str(out), "--headline", str(headline)])
+    assert not out.exists() and headline.read_text() == "not json"
