@@ -25,6 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from evals.results_file import write_json  # noqa: E402
+
+
 # TinyLlama-1.1B's shape (2.2 GB in bf16), and the same with twice the layers for the flat-RSS check.
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
@@ -137,7 +140,7 @@ def main():
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print(json.dumps(report["ratios"], indent=2))
 
 

@@ -23,6 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from evals.results_file import write_json  # noqa: E402
+
+
 # (name, N out, K in) of one Qwen3-8B decoder layer; the input gradient of each is a GEMM with N and K swapped
 LAYER = [("q_proj", 4096, 4096), ("k_proj", 1024, 4096), ("o_proj", 4096, 4096), ("gate_proj", 12288, 4096),
          ("down_proj", 4096, 12288)]
@@ -83,7 +86,7 @@ def main():
               "fp8_fast_accum_over_bf16": total["bf16"] / total["fp8_fast_accum"],
               "fp8_exact_over_bf16": total["bf16"] / total["fp8"], "shapes": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print(json.dumps({k: report[k] for k in ("gpu", "fast_accum_speedup", "fp8_fast_accum_over_bf16",
                                              "fp8_exact_over_bf16")}))
 

@@ -31,6 +31,9 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from evals.results_file import write_json  # noqa: E402
+
+
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, vocab_size=1024, max_position_embeddings=4096, tie_word_embeddings=True)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -256,7 +259,7 @@ def main():
 
     def write():
         summarize(rows, report)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(out, report)
 
     for variant in args.variants.split(","):
         why = unsupported(variant, backends)

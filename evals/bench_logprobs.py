@@ -34,6 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from evals.results_file import write_json  # noqa: E402
+
+
 QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
                  head_dim=128, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True)
 VARIANTS = ("trl", "full", "chunked")
@@ -208,7 +211,7 @@ def main():
         "max_abs_logprob_difference": {f"{v}_vs_trl": float((values[v] - values["trl"]).abs().max())
                                        for v in values if v != "trl"},
     }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print(json.dumps({k: v for k, v in report.items() if k not in ("results", "model", "machine", "versions")}))
 
 

@@ -33,6 +33,7 @@ import os
 import platform
 import random
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -42,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from evals.process_group import run_in_group  # noqa: E402
+from evals.results_file import write_json  # noqa: E402
+
 
 SHAPES = {
     "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -415,7 +418,7 @@ def run_variant(args) -> dict:
         "kv_cache_tokens": kv_cache_tokens(engine.llm), "peak_device_memory_bytes": peak.peak,
         "memory_by_phase": peak.phases, "memory_snapshots": snapshots,
         "peak_torch_allocated_bytes": max(h["peak_gpu_memory_bytes"] for h in history),
-        "rollout_tokens_per_s": sorted(h["rollout_tokens_per_s"] for h in steady)[len(steady) // 2],
+        "rollout_tokens_per_s": statistics.median(h["rollout_tokens_per_s"] for h in steady),
         "generation_s": sum(h["generation_s"] for h in steady), "training_s": sum(h["training_s"] for h in steady),
         "reward_curve": [h["reward_mean"] for h in history], "mismatch_kl": [h["mismatch_kl"] for h in history],
         "wake_s": phased.wake_s, "gc_heap": phased.heap, "gc_in_generation": phased.gc, "steps": history, "adapter": str(adapter),
@@ -471,7 +474,7 @@ def run_standalone(args) -> dict:
             collected.append(pauses.since(mark))
             rates.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / seconds)
     steady = rates[1:] or rates
-    return {"settings": args.standalone_settings, "rollout_tokens_per_s": sorted(steady)[len(steady) // 2],
+    return {"settings": args.standalone_settings, "rollout_tokens_per_s": statistics.median(steady),
             "per_step": rates, "peak_device_memory_bytes": peak.peak, "gc_heap": heap, "gc_in_generation": collected}
 
 
@@ -595,12 +598,12 @@ def main():
                 run[ratio] = run["rollout_tokens_per_s"] / run[key]["rollout_tokens_per_s"]
         runs[f"{args.shape}/{variant}"] = run
         print(variant, json.dumps({k: v for k, v in run.items() if k != "steps"})[:3000], flush=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(out, report)
     summary = summarize(runs, args.shape)
     report.setdefault("summary", {})[args.shape] = summary
     if args.shape == "tinyllama-1.1b":  # the issue's ~1B model: its ratios are the headline keys
         report.update(summary)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from evals.grpo_gpu import SHAPES, WORKLOAD  # noqa: E402
+from evals.results_file import write_json  # noqa: E402
+
 
 FUSED_INPUTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")  # norm or SiLU*up before them
 
@@ -181,7 +183,7 @@ def main():
         "fp8_amplification": fp8["kl_fused_vs_trainer_mean"] / bf16["kl_fused_vs_trainer_mean"],
         "seconds": {"fp8": seconds, "bf16_weights": seconds_bf16},
     }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print(json.dumps(report))
 
 

@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from evals.grpo_gpu import STANDALONE_SETTINGS, steady_steps  # noqa: E402
+from evals.results_file import write_json  # noqa: E402
 
 STANDALONES = dict(STANDALONE_SETTINGS.values())  # a run's key for a standalone engine -> the ratio's name
 
@@ -77,18 +76,6 @@ def pool(rounds: list[dict]) -> dict:
                         "steps": [sum(len(r["runtime"]["steady_rates"]) for r in both),
                                   sum(len(r[key]["steady_rates"]) for r in both)]}
     return pooled
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Whole or not at all: a temp file beside the target, renamed over it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def main(argv: list[str] | None = None) -> None:

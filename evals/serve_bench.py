@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from evals.process_group import run_in_group  # noqa: E402
+from evals.results_file import write_json  # noqa: E402
+
 
 MODELS = {
     "qwen3-8b": ("qwen3",
@@ -315,12 +317,12 @@ def main():
             results[key] = {**run_engine(path, workload, quantization, engine_env, args.repeats, kv_cache_dtype),
                             "call": call}
             print(key, results[key], flush=True)
-            out.write_text(json.dumps(report, indent=2) + "\n")
+            write_json(out, report)
     for key, summary in workload_summaries(results, args.model).items():
         report.setdefault("results_by_workload", {})[key] = summary
         if key == f"{args.model}/short" and args.model == report["model"]["name"]:
             report["results"] = summary
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from evals.results_file import write_json  # noqa: E402
+
+
 QWEN3_SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
                    num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=1024)
 ODD_SHAPE = dict(hidden_size=512, intermediate_size=1392, num_hidden_layers=2, num_attention_heads=8,
@@ -189,7 +192,7 @@ def main():
         "engine": {"enforce_eager": True, "env": ENGINE_ENV}, "command": " ".join(sys.argv), "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "generated"} for k, v in results.items()}, indent=1))
 
 

@@ -143,13 +143,19 @@ def test_peak_memory_keeps_each_phases_peak_and_reads_reserved_every_nth_sample(
 def test_gc_pauses_time_the_collector_and_count_its_full_collections():
     import gc
 
-    with grpo_gpu.GCPauses() as pauses:
-        mark = pauses.mark()
-        gc.collect(0)
-        gc.collect(2)
-        gc.collect(2)
-        seen = pauses.since(mark)
-    gc.collect(2)  # after the block: not counted
+    automatic = gc.isenabled()
+    gc.disable()  # only the collections made here: an automatic one could land between since() and the exit
+    try:
+        with grpo_gpu.GCPauses() as pauses:
+            mark = pauses.mark()
+            gc.collect(0)
+            gc.collect(2)
+            gc.collect(2)
+            seen = pauses.since(mark)
+        gc.collect(2)  # after the block: not counted
+    finally:
+        if automatic:
+            gc.enable()
     assert seen["gc_full_collections"] == 2 and seen["gc_s"] > 0
     assert pauses.full == 2 and pauses.seconds == seen["gc_s"]
 
