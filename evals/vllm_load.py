@@ -186,13 +186,19 @@ def main():
             r["greedy_tokens_equal_bf16"] = r["generated"] == base["generated"]
     for r in results.values():
         r.pop("prompt_logprobs", None)
-    report = {
-        "gpu": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
-        "python": platform.python_version(), "model": {"arch": "Qwen3ForCausalLM (random weights)", **QWEN3_SHAPE},
-        "engine": {"enforce_eager": True, "env": ENGINE_ENV}, "command": " ".join(sys.argv), "results": results,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_json(args.out, report)
+    # merged into an existing --out, so that one table can be made over several calls (each engine's first start
+    # on a fresh machine can take minutes): every call records its machine and versions, every result its call, and
+    # a variant's drift is against the BF16 engine of its own call
+    out = Path(args.out)
+    report = json.loads(out.read_text()) if out.exists() else {}
+    report.update({"model": {"arch": "Qwen3ForCausalLM (random weights)", **QWEN3_SHAPE},
+                   "engine": {"enforce_eager": True, "env": ENGINE_ENV}})
+    calls = report.setdefault("calls", [])
+    calls.append({"command": "python evals/vllm_load.py " + " ".join(sys.argv[1:]), "gpu": torch.cuda.get_device_name(0),
+                  "vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version()})
+    report.setdefault("results", {}).update({name: {**r, "call": len(calls) - 1} for name, r in results.items()})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, report)
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "generated"} for k, v in results.items()}, indent=1))
 
 
