@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -323,3 +324,82 @@ def test_empty_weights_are_kept_not_divided_by_zero(tmp_path):
         assert code == 0, err
         q = json.loads((tmp_path / scheme / "config.json").read_text())["quantization_config"]
         assert "model.layers.0.mlp.down_proj" in q["ignore"]
+
+
+def test_tensor_static_checks_the_options_every_scheme_takes(llama_dir, tmp_path):
+    """tensor-static goes through llm-compressor, but its options are checked first, as the other schemes' are."""
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "tensor-static", "--ignore", "("), out,
+                         "--ignore '('", "not a regular expression")
+    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "tensor-static", "--max-shard-size", "lots"), out,
+                         "--max-shard-size 'lots'")
+    if not torch.cuda.is_available():
+        assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "tensor-static", "--device", "cuda"), out,
+                             "--device cuda", "no CUDA")
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "tensor-static"])
+def test_out_under_a_file(llama_dir, tmp_path, scheme):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    for out in (a_file / "out", a_file / "deeper" / "out"):
+        assert_clean_failure(*run_cli(llama_dir, out, "--scheme", scheme), out, str(out),
+                             f"{a_file} is not a directory")
+    assert a_file.read_text() == "mine"
+
+
+def test_output_directory_that_cannot_be_made(tmp_path):
+    """Without check_out first (as fp8kit.rl saves its checkpoints): one line naming OUT instead of an OSError."""
+    from fp8kit.converter.output import atomic_directory
+    from fp8kit.errors import Fp8kitError
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    out = a_file / "out"
+    with pytest.raises(Fp8kitError, match=re.escape(f"{out}: cannot create the output directory ({a_file} is not a "
+                                                    "directory)")):
+        with atomic_directory(out, overwrite=False):
+            pytest.fail("nothing to fill")
+    assert a_file.read_text() == "mine"
+
+
+def test_unwritable_out_parent(llama_dir, tmp_path, monkeypatch):
+    """OUT's folder cannot be written into: one line naming OUT, and the folders made for OUT removed again."""
+    import tempfile
+
+    out = tmp_path / "made" / "for" / "out"
+    mkdtemp = tempfile.mkdtemp
+
+    def refuse(*args, dir=None, **kwargs):
+        if dir is not None and os.fspath(dir) == os.fspath(out.parent):
+            raise PermissionError(13, "Permission denied", os.path.join(dir, ".out.partial-x"))
+        return mkdtemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic"), out, f"{out}: cannot create the output "
+                         "directory (Permission denied)", f"make {tmp_path} writable")
+    assert not (tmp_path / "made").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_out_parent(llama_dir, tmp_path):
+    parent = tmp_path / "read-only"
+    parent.mkdir()
+    parent.chmod(0o500)
+    try:
+        out = parent / "out"
+        assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic"), out, str(out), "Permission denied")
+    finally:
+        parent.chmod(0o700)
+
+
+def test_failed_conversion_removes_the_folders_it_made(src, tmp_path):
+    from safetensors.torch import load_file
+
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "kept").mkdir()
+    out = tmp_path / "kept" / "made" / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "NaN")
+    assert (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / "made").exists()

@@ -230,3 +230,14 @@ def test_attention_outside_transformers_interface_is_refused(tmp_path, qwen3_src
     with pytest.raises(Fp8kitError, match="no attention layer ran through transformers' attention interface"):
         convert(src, tmp_path / "out", scheme="dynamic", kv_cache="fp8", calibration=calibration)
     assert not (tmp_path / "out").exists()
+
+
+def test_missing_tokenizer_is_one_line(tmp_path, llama_dir):
+    """transformers explains a missing tokenizer over five lines; the user gets one, naming the checkpoint."""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(fp8_convert, [str(llama_dir), str(out), "--scheme", "dynamic", "--kv-cache", "fp8"])
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: {llama_dir}: --kv-cache fp8 needs the model's tokenizer to calibrate")
+    assert f"copy the model's tokenizer files (tokenizer.json, tokenizer_config.json) into {llama_dir}" in lines[0]
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))

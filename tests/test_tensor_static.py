@@ -37,7 +37,14 @@ def test_static_scales_calibrated_and_loadable(tmp_path):
     convert(src, tmp_path / "dyn", scheme="tensor")
     with safe_open(out / "model.safetensors", "pt") as a, safe_open(tmp_path / "dyn" / "model.safetensors", "pt") as b:
         name = "model.layers.1.mlp.down_proj.weight"
-        assert torch.equal(a.get_tensor(name).view(torch.uint8), b.get_tensor(name).view(torch.uint8))
+        codes_a, codes_b = (t.get_tensor(name).view(torch.uint8).to(torch.int16) for t in (a, b))
+    if torch.cuda.is_available():
+        # on a GPU llm-compressor calibrates and quantizes there: a few values at a rounding boundary landed one
+        # FP8 code apart on an H100. A different scale or formula would move far more than 1% of the codes.
+        steps = (codes_a - codes_b).abs()
+        assert steps.max() <= 1 and (steps > 0).float().mean() < 1e-2
+    else:
+        assert torch.equal(codes_a, codes_b)
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     with quiet(), torch.no_grad():
         drift = logit_drift(load_causal_lm(src)(input_ids=ids).logits, load_causal_lm(out)(input_ids=ids).logits)
@@ -63,3 +70,45 @@ def test_json_stdout_stays_clean(tmp_path):
                            "--scheme", "tensor-static", "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["scheme"] == "tensor-static"
+
+
+def test_missing_tokenizer_is_one_line(tmp_path, llama_dir):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(fp8_convert, [str(llama_dir), str(out), "--scheme", "tensor-static"])
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: {llama_dir}: --scheme tensor-static needs the model's tokenizer")
+    assert f"copy the model's tokenizer files (tokenizer.json, tokenizer_config.json) into {llama_dir}" in lines[0]
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_device_cpu_refused_where_llmcompressor_calibrates_on_a_gpu(tmp_path, monkeypatch):
+    """oneshot takes no device: its sequential pipeline moves every layer onto the first accelerator when one is
+    visible, so --device cpu cannot be honoured there and is refused before anything runs."""
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1)
+    add_tokenizer(src, SAMPLE + " ".join(map(str, range(500))))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(fp8_convert, [str(src), str(out), "--scheme", "tensor-static", "--device", "cpu"])
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 1 and len(lines) == 1, (result.stderr, result.exception)
+    assert lines[0].startswith("error: --device cpu: --scheme tensor-static calibrates through llm-compressor")
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_device_and_shard_size_reach_the_calibration(tmp_path):
+    """--device is where the model is calibrated (a GPU machine runs --device cuda there, this one --device cpu);
+    --max-shard-size shards the output as it does for the other schemes."""
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1)
+    add_tokenizer(src, SAMPLE + " ".join(map(str, range(500))))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = tmp_path / "out"
+    result = CliRunner().invoke(fp8_convert, [str(src), str(out), "--scheme", "tensor-static", "--device", device,
+                                              "--max-shard-size", "300KB", "--json"])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    report = json.loads(result.stdout)
+    assert report["device"].split(":")[0] == device
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
+    assert all((out / s).stat().st_size < 300_000 + 200_000 for s in shards)  # a tensor may exceed the limit alone

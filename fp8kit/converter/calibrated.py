@@ -22,15 +22,22 @@ from fp8kit.errors import Fp8kitError
 
 
 def convert_static(src, out, calibration: str | Path | None = None, ignore=(), overwrite: bool = False,
-                   seq_len: int = 512, kv_cache: str | None = None):
-    from fp8kit.converter.streaming import ConvertReport, peak_rss_bytes
+                   seq_len: int = 512, kv_cache: str | None = None, device: str = "auto",
+                   max_shard_size: str | int = "5GB"):
+    """`device`: where the model is loaded and calibrated. llm-compressor's oneshot takes no device: its
+    sequential pipeline moves each layer onto its own main device, the first accelerator whenever one is
+    visible (llmcompressor.utils.dev.get_main_device), so "cpu" is refused on a machine with one."""
+    import torch
+
+    from fp8kit.converter.streaming import ConvertReport, parse_size, peak_rss_bytes, resolve_device
 
     start = time.perf_counter()
-    try:
-        from llmcompressor import oneshot
-        from llmcompressor.modifiers.quantization import QuantizationModifier
-    except ImportError as e:
-        raise Fp8kitError("--scheme tensor-static calibrates with llm-compressor: pip install llmcompressor") from e
+    dev = resolve_device(device)
+    shard_bytes = parse_size(max_shard_size)
+    if device == "cpu" and _accelerator_available(torch):
+        raise Fp8kitError("--device cpu: --scheme tensor-static calibrates through llm-compressor, which runs on the "
+                          "GPU whenever one is visible; use --device auto or cuda, or hide the GPU "
+                          "(CUDA_VISIBLE_DEVICES=) to calibrate on the CPU")
     out = check_out(out, overwrite)
     src_path = source.resolve(src).resolve()
     check_out(out, overwrite, src_path)
@@ -39,18 +46,23 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     check_not_quantized(tensors)
     sel = select(tensors, SCHEMES["tensor"], list(ignore))
 
-    import torch
     from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM
 
     tokenizer, samples, calibration = calibration_samples(src_path, calibration, seq_len, "--scheme tensor-static")
+    # imported once the input is known good: on a machine without a GPU, importing it logs a warning
+    try:
+        from llmcompressor import oneshot
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+    except ImportError as e:
+        raise Fp8kitError("--scheme tensor-static calibrates with llm-compressor: pip install llmcompressor") from e
     # A plain DataLoader of token ids: a `datasets.Dataset` would be fingerprinted by pickling, which fails
     # with some pyarrow/dill combinations (seen with pyarrow 26 on Python 3.12).
     loader = DataLoader([{"input_ids": torch.tensor(s), "attention_mask": torch.ones(len(s), dtype=torch.long)}
                          for s in samples], batch_size=1)
-    # on the GPU when there is one: calibration runs the whole model over the text
+    # on the GPU unless --device cpu: calibration runs the whole model over the text
     model = AutoModelForCausalLM.from_pretrained(src_path, dtype="auto",
-                                                 device_map="cuda" if torch.cuda.is_available() else None)
+                                                 device_map=str(dev) if dev.type == "cuda" else None)
     # the KV-cache scales as llm-compressor measures them, with the static min-max observer that our streaming
     # schemes' --kv-cache fp8 matches (its default observer averages over batches)
     kv_scheme = {**kv_cache_scheme(), "observer": "static_minmax"} if kv_cache else None
@@ -60,7 +72,7 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
         oneshot(model=model, dataset=loader, processor=tokenizer, recipe=recipe, num_calibration_samples=len(samples),
                 max_seq_length=seq_len)
     with atomic_directory(out, overwrite) as partial:
-        model.save_pretrained(partial, save_compressed=True)
+        model.save_pretrained(partial, save_compressed=True, max_shard_size=shard_bytes)
         for extra in source.extra_files(src_path):
             if not (partial / extra.name).exists():
                 shutil.copyfile(extra, partial / extra.name)
@@ -73,3 +85,9 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
         bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
         peak_rss_bytes=peak_rss_bytes(), peak_gpu_bytes=None, files=files,
         warnings=sel.warnings + [f"calibrated on {len(samples)} sequences from {calibration.name}"])
+
+
+def _accelerator_available(torch) -> bool:
+    """Whether llm-compressor will calibrate on an accelerator (its get_main_device's test)."""
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()

@@ -44,8 +44,12 @@ def calibration_samples(src_path: Path, calibration: str | Path | None, seq_len:
         raise Fp8kitError(f"{calibration}: cannot read the calibration text ({e})") from e
     try:
         tokenizer = AutoTokenizer.from_pretrained(src_path)
-    except (OSError, ValueError) as e:
-        raise Fp8kitError(f"{src_path}: {why} needs the model's tokenizer to calibrate ({e})") from e
+    except Exception as e:  # noqa: BLE001 - which error depends on the files present and on the packages installed
+        # transformers' messages run over several lines: the first says what failed
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__).rstrip(": ")
+        raise Fp8kitError(f"{src_path}: {why} needs the model's tokenizer to calibrate and none loads from it "
+                          f"({reason}); copy the model's tokenizer files (tokenizer.json, tokenizer_config.json) "
+                          f"into {src_path}") from e
     samples = calibration_ids(tokenizer, text, seq_len)
     if not samples:
         raise Fp8kitError(f"{calibration}: too little text to calibrate on (fewer than 8 tokens)")

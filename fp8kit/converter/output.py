@@ -23,6 +23,9 @@ def check_out(out: str | Path, overwrite: bool, src: Path | None = None) -> Path
         raise Fp8kitError(f"{out}: already exists; pass --overwrite to replace it")
     if out.exists() and not out.is_dir():
         raise Fp8kitError(f"{out}: exists and is not a directory; remove it or choose another OUT")
+    blocker = next((p for p in out.parents if p.exists() or p.is_symlink()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise Fp8kitError(f"{out}: cannot be created, {blocker} is not a directory; choose another OUT")
     if src is not None:
         src = src.resolve()
         if out == src or src in out.parents or out in src.parents:
@@ -32,9 +35,21 @@ def check_out(out: str | Path, overwrite: bool, src: Path | None = None) -> Path
 
 @contextlib.contextmanager
 def atomic_directory(out: Path, overwrite: bool):
-    """Yields the folder to fill; on a clean exit it becomes OUT (replacing OUT only with `overwrite`)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    """Yields the folder to fill; on a clean exit it becomes OUT (replacing OUT only with `overwrite`).
+    Parent folders it had to create are removed again on failure (only while they are empty)."""
+    made = [p for p in reversed(out.parents) if not p.exists()]  # outermost first
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as e:
+        _remove_empty(made)
+        nearest = next((p for p in out.parents if p.exists()), None)  # the folder OUT would be made in
+        if nearest is not None and not nearest.is_dir():
+            raise Fp8kitError(f"{out}: cannot create the output directory ({nearest} is not a directory); "
+                              f"choose another OUT") from e
+        raise Fp8kitError(f"{out}: cannot create the output directory ({e.strerror or e}); choose another OUT or "
+                          f"make {nearest or out.parent} writable") from e
+    ok = False
     try:
         yield partial
         if out.exists() and overwrite:
@@ -44,8 +59,20 @@ def atomic_directory(out: Path, overwrite: bool):
             shutil.rmtree(old)
         else:
             partial.rename(out)  # fails if OUT appeared meanwhile: never replaced without --overwrite
+        ok = True
     except OSError as e:
         raise Fp8kitError(f"{out}: cannot write ({e.strerror}); free disk space or choose another OUT") from e
     finally:
         if partial.exists():
             shutil.rmtree(partial, ignore_errors=True)
+        if not ok:
+            _remove_empty(made)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """rmdir `folders`, innermost first, stopping at the first that is not empty (or is gone)."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return

@@ -286,12 +286,21 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     if kv_cache and format != "compressed-tensors":
         raise Fp8kitError("--kv-cache fp8 is written in the compressed-tensors format only (vLLM turns on its FP8 "
                           "KV cache by itself only for compressed-tensors checkpoints)")
+    # options every scheme takes, checked before tensor-static goes its own way
+    for pattern in ignore:
+        try:
+            re.compile(pattern[3:] if pattern.startswith("re:") else pattern)
+        except re.error as e:
+            raise Fp8kitError(f"--ignore {pattern!r}: not a regular expression ({e})") from e
+    shard_bytes = parse_size(max_shard_size)
+    dev = resolve_device(device)
     if scheme == "tensor-static":
         if format != "compressed-tensors":
             raise Fp8kitError("--scheme tensor-static is written in the compressed-tensors format only")
         from fp8kit.converter.calibrated import convert_static
 
-        return convert_static(src, out, calibration, ignore, overwrite, kv_cache=kv_cache)
+        return convert_static(src, out, calibration, ignore, overwrite, kv_cache=kv_cache, device=device,
+                              max_shard_size=shard_bytes)
     if calibration is not None and not kv_cache:
         raise Fp8kitError("--calibration is for --scheme tensor-static or --kv-cache fp8; the other schemes need "
                           "no data")
@@ -302,15 +311,8 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     if format == "fp8" and scheme == "dynamic":
         raise Fp8kitError("--format fp8 has no per-channel layout; use --scheme block or tensor, or the "
                           "compressed-tensors format for dynamic")
-    for pattern in ignore:
-        try:
-            re.compile(pattern[3:] if pattern.startswith("re:") else pattern)
-        except re.error as e:
-            raise Fp8kitError(f"--ignore {pattern!r}: not a regular expression ({e})") from e
     spec = SCHEMES[scheme]
-    shard_bytes = parse_size(max_shard_size)
     out = check_out(out, overwrite)
-    dev = resolve_device(device)
     src_path = source.resolve(src).resolve()
     check_out(out, overwrite, src_path)
     config = source.load_config(src_path)
