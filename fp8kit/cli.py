@@ -182,7 +182,11 @@ def cache_rm(name, remove_all):
 
     if bool(name) == remove_all:
         _fail("give a model NAME or --all", 2)
-    for path in remove(None if remove_all else name):
+    try:
+        removed = remove(None if remove_all else name)
+    except Fp8kitError as e:
+        _fail(str(e))
+    for path in removed:
         click.echo(f"removed {path}")
 
 
@@ -207,9 +211,10 @@ def publish(src, base_model, schemes, repo_template, org, private, create_pr, ma
     """Convert SRC to FP8, validate it against the source, write its model card, upload and register it."""
     from pathlib import Path
 
-    from fp8kit.hub.publish import publish as run, read_plan
+    from fp8kit.hub.publish import check_repo_template, publish as run, read_plan
 
     try:
+        check_repo_template(repo_template)  # once, not once per plan entry
         if plan_path:
             plan = read_plan(Path(plan_path))
             jobs = [dict(src=m["src"], schemes=list(m["schemes"]), base_model=m.get("base_model"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shlex
 import shutil
 import tempfile
@@ -39,12 +40,37 @@ class PublishResult:
         return asdict(self)
 
 
-def repo_id_for(template: str, org: str, base_model: str, scheme: str) -> str:
-    name = base_model.split("/")[-1]
+TEMPLATE_FIELDS = ("org", "name", "scheme", "Scheme")
+TEMPLATE_HINT = "use only the fields {org}, {name}, {scheme} and {Scheme}, e.g. '{org}/{name}-FP8-{Scheme}'"
+
+
+def check_repo_template(template, where: str = "--repo-template") -> None:
+    """Refuse a template that str.format cannot fill with our fields, or that does not give org/name,
+    before any work is done. `where` names the option or plan entry the template came from."""
+    from string import Formatter
+
+    from fp8kit.registry.catalog import REPO_ID
+
+    if not isinstance(template, str):
+        raise Fp8kitError(f"{where} must be a string; {TEMPLATE_HINT}")
     try:
-        repo_id = template.format(org=org, name=name, scheme=scheme, Scheme=scheme.capitalize())
-    except (KeyError, IndexError) as e:
-        raise Fp8kitError(f"--repo-template {template!r}: unknown field {e}; use {{org}}, {{name}}, {{scheme}}, {{Scheme}}") from e
+        fields = [f for _, f, _, _ in Formatter().parse(template) if f is not None]
+        bad = next((f for f in fields if f not in TEMPLATE_FIELDS), None)
+        if bad is not None:
+            raise Fp8kitError(f"{where} {template!r}: unknown field {{{bad}}}; {TEMPLATE_HINT}")
+        sample = template.format(org="org", name="name", scheme="dynamic", Scheme="Dynamic")
+    except KeyError as e:  # a field nested in a format spec: {name:>{width}}
+        raise Fp8kitError(f"{where} {template!r}: unknown field {{{e.args[0]}}}; {TEMPLATE_HINT}") from e
+    except (ValueError, TypeError, IndexError, AttributeError) as e:  # "Single '}'", a bad format spec, ...
+        raise Fp8kitError(f"{where} {template!r}: {e}; {TEMPLATE_HINT}") from e
+    if not REPO_ID.match(sample):
+        raise Fp8kitError(f"{where} {template!r} gives {sample!r}, not a repo id org/name; {TEMPLATE_HINT}")
+
+
+def repo_id_for(template: str, org: str, base_model: str, scheme: str) -> str:
+    check_repo_template(template)
+    name = base_model.split("/")[-1]
+    repo_id = template.format(org=org, name=name, scheme=scheme, Scheme=scheme.capitalize())
     if repo_id.count("/") != 1:
         raise Fp8kitError(f"--repo-template {template!r} gives {repo_id!r}, not org/name")
     return repo_id
@@ -104,17 +130,36 @@ def _identical_on_hub(api, repo_id: str, staging: Path, remote_files: set[str]) 
 
 
 def _stage(conversion: Path, staging: Path, card, provenance: dict) -> dict:
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for p in sorted(conversion.iterdir()):
-        # the card and provenance are written fresh: a hard link would let them overwrite the cache's files
-        if p.is_file() and not p.name.startswith("fp8kit-entry") and p.name not in ("README.md", PROVENANCE):
-            try:
-                os.link(p, staging / p.name)  # the cache and the staging folder share the weight bytes
-            except OSError:
-                shutil.copyfile(p, staging / p.name)
-    card.save(staging / "README.md")
-    (staging / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
+    """Fill a temporary sibling of `staging` and swap it in once complete: a failure leaves the previous
+    staging folder (if any) as it was, and no half-filled one."""
+    if staging.is_symlink() or (staging.exists() and not staging.is_dir()):
+        raise Fp8kitError(f"{staging}: exists and is not a folder; remove it or choose another --staging")
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    tmp = staging.with_name(f".{staging.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    old = tmp.with_suffix(".old")
+    tmp.mkdir()
+    try:
+        for p in sorted(conversion.iterdir()):
+            # the card and provenance are written fresh: a hard link would let them overwrite the cache's files
+            if p.is_file() and not p.name.startswith("fp8kit-entry") and p.name not in ("README.md", PROVENANCE):
+                try:
+                    os.link(p, tmp / p.name)  # the cache and the staging folder share the weight bytes
+                except OSError:
+                    shutil.copyfile(p, tmp / p.name)
+        card.save(tmp / "README.md")
+        (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
+        if staging.exists():
+            os.replace(staging, old)
+        try:
+            os.replace(tmp, staging)
+        except BaseException:
+            if old.exists():
+                os.replace(old, staging)
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
     return {p.name: p.stat().st_size for p in sorted(staging.iterdir())}
 
 
@@ -152,6 +197,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     for scheme in schemes:
         if scheme not in SCHEME_FORMAT:
             raise Fp8kitError(f"--scheme {scheme!r}: expected dynamic, block or tensor")
+    check_repo_template(repo_template)
     api = None
     if not dry_run:  # the token is checked before any conversion work
         from huggingface_hub import HfApi, get_token
@@ -168,36 +214,45 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         raise Fp8kitError("--dry-run without a token needs --org ORG to name the repos")
     src_dir = source.resolve(src)
     terms = source_terms(src_dir)
-    staging_root = Path(staging) if staging else Path(tempfile.mkdtemp(prefix="fp8kit-publish-"))
     if command is None:  # from this call's own arguments, never from the host process's command line
         command = shlex.join(["fp8kit", "publish", str(src), "--base-model", base_model]
                              + [a for s in schemes for a in ("--scheme", s)] + ["--repo-template", repo_template]
                              + (["--max-kl", f"{max_kl:g}"] if max_kl is not None else []))
+    # A staging folder of our own (no --staging) is removed when done, uploaded or not; a dry run keeps it,
+    # since its report points there.
+    own_staging = not staging and not dry_run
+    staging_root = Path(staging) if staging else Path(tempfile.mkdtemp(prefix="fp8kit-publish-"))
     results = []
-    for scheme in schemes:
-        repo_id = repo_id_for(repo_template, org, base_model, scheme)
-        fmt = SCHEME_FORMAT[scheme]
-        try:
-            conversion = cached_conversion(str(src_dir) if local else src, scheme, fmt)
-            metrics = validate(src_dir, conversion)
-            card = build_card(repo_id, base_model, scheme, fmt, metrics, command, terms)
-            provenance = {"tool": "fp8kit", "version": __version__, "base_model": base_model, "scheme": scheme,
-                          "format": fmt, "validation": metrics}
-            folder = staging_root / repo_id.replace("/", "--")
-            files = _stage(conversion, folder, card, provenance)
-            result = PublishResult(repo_id, scheme, "dry-run", metrics, files, str(folder))
-            if max_kl is not None and not metrics["kl"] <= max_kl:  # a NaN KL is rejected too
-                result.status, result.error = "rejected", f"KL {metrics['kl']:.3e} is over --max-kl {max_kl:g}"
-            elif not dry_run:
-                _upload(api, result, folder, private, create_pr, force)
-                if not create_pr:
-                    _register(repo_id, scheme, fmt, base_model)
-        except Fp8kitError as e:
-            result = PublishResult(repo_id, scheme, "failed", error=str(e))
-        except Exception as e:  # noqa: BLE001 - e.g. transformers cannot load the model: one line, go on
-            first = (str(e).strip().splitlines() or [""])[0]
-            result = PublishResult(repo_id, scheme, "failed", error=f"{type(e).__name__}: {first}")
-        results.append(result)
+    try:
+        for scheme in schemes:
+            repo_id = repo_id_for(repo_template, org, base_model, scheme)
+            fmt = SCHEME_FORMAT[scheme]
+            try:
+                conversion = cached_conversion(str(src_dir) if local else src, scheme, fmt)
+                metrics = validate(src_dir, conversion)
+                card = build_card(repo_id, base_model, scheme, fmt, metrics, command, terms)
+                provenance = {"tool": "fp8kit", "version": __version__, "base_model": base_model, "scheme": scheme,
+                              "format": fmt, "validation": metrics}
+                folder = staging_root / repo_id.replace("/", "--")
+                files = _stage(conversion, folder, card, provenance)
+                result = PublishResult(repo_id, scheme, "dry-run", metrics, files, str(folder))
+                if max_kl is not None and not metrics["kl"] <= max_kl:  # a NaN KL is rejected too
+                    result.status, result.error = "rejected", f"KL {metrics['kl']:.3e} is over --max-kl {max_kl:g}"
+                elif not dry_run:
+                    _upload(api, result, folder, private, create_pr, force)
+                    if not create_pr:
+                        _register(repo_id, scheme, fmt, base_model)
+            except Fp8kitError as e:
+                result = PublishResult(repo_id, scheme, "failed", error=str(e))
+            except Exception as e:  # noqa: BLE001 - e.g. transformers cannot load the model: one line, go on
+                first = (str(e).strip().splitlines() or [""])[0]
+                result = PublishResult(repo_id, scheme, "failed", error=f"{type(e).__name__}: {first}")
+            results.append(result)
+    finally:
+        if own_staging:
+            shutil.rmtree(staging_root, ignore_errors=True)
+            for result in results:
+                result.staging = None  # removed: the report does not point at it
     return results
 
 
@@ -238,17 +293,51 @@ def _register(repo_id: str, scheme: str, fmt: str, base_model: str) -> None:
     append_to_overlay(Variant(repo_id, family, scheme, fmt, (scheme,), (base_model,), "overlay"), overlay_path())
 
 
+PLAN_TOP = {"org", "max_kl", "repo_template", "model"}
+PLAN_MODEL = {"src", "schemes", "base_model", "org", "max_kl", "repo_template"}
+
+
+def _check_plan_field(where: str, key: str, value) -> None:
+    """One plan field, top-level or in a [[model]] table: its type, and for schemes and repo_template what they hold."""
+    if key in ("src", "base_model", "org") and not (isinstance(value, str) and value.strip()):
+        raise Fp8kitError(f"{where}: '{key}' must be a non-empty string (not {value!r})")
+    if key == "max_kl" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise Fp8kitError(f"{where}: 'max_kl' must be a number, e.g. max_kl = 0.01 (not {value!r})")
+    if key == "schemes":
+        if not isinstance(value, list) or not value or not all(isinstance(s, str) for s in value):
+            raise Fp8kitError(f"{where}: 'schemes' must be a list of scheme names, e.g. "
+                              f"schemes = [\"dynamic\", \"block\"] (not {value!r})")
+        bad = [s for s in value if s not in SCHEME_FORMAT]
+        if bad:
+            raise Fp8kitError(f"{where}: 'schemes' has {bad[0]!r}; use dynamic, block or tensor")
+    if key == "repo_template":
+        check_repo_template(value, f"{where}: 'repo_template'")
+
+
 def read_plan(path: Path) -> dict:
+    """The plan, every field checked here: a bad one is named with its file and [[model]] entry before any work."""
     from fp8kit.registry.catalog import tomllib
 
     try:
         plan = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise Fp8kitError(f"{path}: cannot read the plan ({e})") from e
+    unknown = sorted(set(plan) - PLAN_TOP)
+    if unknown:
+        raise Fp8kitError(f"{path}: unknown top-level key {unknown[0]!r}; a plan has {', '.join(sorted(PLAN_TOP))}")
+    for key in sorted(set(plan) - {"model"}):
+        _check_plan_field(f"{path}: top level", key, plan[key])
     models = plan.get("model")
     if not isinstance(models, list) or not models:
         raise Fp8kitError(f"{path}: the plan needs [[model]] tables with src and schemes")
     for i, m in enumerate(models):
-        if not isinstance(m, dict) or "src" not in m or not m.get("schemes"):
-            raise Fp8kitError(f"{path}: [[model]] number {i + 1} needs src and schemes")
+        where = f"{path}: [[model]] number {i + 1}"
+        if not isinstance(m, dict) or "src" not in m or "schemes" not in m:
+            raise Fp8kitError(f"{where} needs src and schemes")
+        unknown = sorted(set(m) - PLAN_MODEL)
+        if unknown:
+            raise Fp8kitError(f"{where}: unknown key {unknown[0]!r}; a [[model]] has "
+                              f"{', '.join(sorted(PLAN_MODEL))}")
+        for key in sorted(m):
+            _check_plan_field(where, key, m[key])
     return plan

@@ -132,6 +132,10 @@ def list_entries() -> list[dict]:
 def remove(name: str | None = None) -> list[Path]:
     """Delete the cached conversions of `name` (all of them when None)."""
     root = cache_root()
+    if root.exists() and not root.is_dir():
+        fix = ("set FP8KIT_CACHE to the cache folder, or unset it" if os.environ.get("FP8KIT_CACHE")
+               else "move that file away, or set FP8KIT_CACHE to a folder")
+        raise Fp8kitError(f"cache {root} is a file, not a folder: {fix}; nothing was removed")
     if name:
         targets = [model_dir(name)]
     else:  # only folders fp8kit made: ones that hold a conversion marker or lock

@@ -122,6 +122,35 @@ def append_to_overlay(variant: Variant, path: Path | None = None) -> Path:
              f'scheme = "{variant.scheme}"\nformat = "{variant.format}"\nserves = {lists["serves"]}\n'
              f'base = {lists["base"]}\n')
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(block)
+    _replace_text(path, lambda text: text + block)
     return path
+
+
+def _replace_text(path: Path, edit) -> None:
+    """Rewrite `path` as edit(old text) through a temporary file beside it and os.replace, under a lock file
+    beside it: a failed write (disk full, interrupt) leaves the old file whole, and concurrent writers do not
+    lose each other's entries. A symlinked file is rewritten at its target."""
+    import fcntl
+    import secrets
+
+    target = Path(os.path.realpath(path))
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(target.with_name(f".{target.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the lock file is closed
+            text = target.read_text() if target.exists() else ""
+            mode = target.stat().st_mode & 0o7777 if target.exists() else None
+            try:
+                with open(tmp, "x") as f:
+                    f.write(edit(text))
+                    f.flush()
+                    os.fsync(f.fileno())
+                if mode is not None:
+                    os.chmod(tmp, mode)
+                os.replace(tmp, target)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+    except OSError as e:
+        raise Fp8kitError(f"{path}: cannot write the registry overlay ({e.strerror or e}); it was left as it "
+                          f"was") from e

@@ -1,0 +1,141 @@
+"""fp8kit publish: bad --repo-template and plan fields are one line before any work, no temporary staging
+folder outlives a run, and a failed re-stage leaves the previous staging folder whole."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fp8kit.cli import main
+from test_publish import hub, publish, results, src  # noqa: F401 - hub and src are fixtures
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP8KIT_CACHE", str(tmp_path / "fp8cache"))
+    monkeypatch.setenv("FP8KIT_REGISTRY", str(tmp_path / "overlay.toml"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+
+
+def one_line_error(result) -> str:
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("template", [
+    "{org}/{name",           # ValueError: expected '}'
+    "{org}/{name}}",         # ValueError: single '}'
+    "{org}/{name.upper}",    # an attribute: formatted a bound method's repr into the repo id
+    "{org}/{name[x]}",       # TypeError: string indices
+    "{org}/{name:d}",        # ValueError: format code
+    "{org}/{name!z}",        # ValueError: conversion
+])
+def test_malformed_repo_template_is_one_line_before_any_work(tmp_path, src, template):
+    result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--scheme", "dynamic",
+                                       "--dry-run", "--org", "me", "--staging", str(tmp_path / "staging"),
+                                       "--repo-template", template])
+    line = one_line_error(result)
+    assert f"--repo-template {template!r}" in line and "{org}, {name}, {scheme} and {Scheme}" in line
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+
+
+def test_malformed_repo_template_is_refused_before_the_hub_is_asked(tmp_path, hub, src):
+    proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "dynamic", "--repo-template",
+                   "{org}/{name")
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "--repo-template '{org}/{name'" in proc.stderr and "Traceback" not in proc.stderr
+    assert hub.requests == [] and not (tmp_path / "fp8cache").exists()
+
+
+GOOD = '[[model]]\nsrc = "{src}"\nbase_model = "org/tiny"\nschemes = ["dynamic"]\n'
+
+
+@pytest.mark.parametrize("top,entry,needle", [
+    ("", 'schemes = "dynamic"', "[[model]] number 2: 'schemes' must be a list"),
+    ("", 'schemes = ["int4"]', "[[model]] number 2: 'schemes' has 'int4'"),
+    ("", 'schemes = ["dynamic"]\nmax_kl = "0.01"', "[[model]] number 2: 'max_kl' must be a number"),
+    ("", 'schemes = ["dynamic"]\nmax_kl = true', "[[model]] number 2: 'max_kl' must be a number"),
+    ('max_kl = "0.01"\n', 'schemes = ["dynamic"]', "top level: 'max_kl' must be a number"),
+    ("org = 3\n", 'schemes = ["dynamic"]', "top level: 'org' must be a non-empty string"),
+    ("", 'schemes = ["dynamic"]\nbase_model = ["org/tiny"]', "[[model]] number 2: 'base_model' must be a non-empty"),
+    ("", 'schemes = ["dynamic"]\nsrc = 5', "[[model]] number 2: 'src' must be a non-empty string"),
+    ("", 'schemes = ["dynamic"]\nrepo_template = "{org}/{name"', "[[model]] number 2: 'repo_template' '{org}/{name'"),
+    ("", 'schemes = ["dynamic"]\nmax-kl = 0.01', "[[model]] number 2: unknown key 'max-kl'"),
+])
+def test_plan_fields_are_type_checked_before_any_work(tmp_path, src, top, entry, needle):
+    plan = tmp_path / "plan.toml"
+    second = f'[[model]]\n{entry}\n'
+    if "src =" not in entry:
+        second += f'src = "{src}"\n'
+    plan.write_text(top + GOOD.format(src=src) + second)
+    result = CliRunner().invoke(main, ["publish", "--plan", str(plan), "--dry-run", "--org", "me", "--staging",
+                                       str(tmp_path / "staging"), "--json"])
+    line = one_line_error(result)
+    assert line.startswith(f"error: {plan}: ") and needle in line, line
+    assert result.stdout == ""  # no variant was converted, staged or reported
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+
+
+def test_malformed_command_line_template_with_a_plan_is_refused_once(tmp_path, src):
+    plan = tmp_path / "plan.toml"
+    plan.write_text(GOOD.format(src=src) * 2)
+    result = CliRunner().invoke(main, ["publish", "--plan", str(plan), "--dry-run", "--org", "me", "--staging",
+                                       str(tmp_path / "staging"), "--repo-template", "{org}/{name"])
+    line = one_line_error(result)
+    assert "--repo-template '{org}/{name'" in line and result.stdout == ""
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+
+
+def test_publish_without_staging_leaves_no_temporary_folder(tmp_path, hub, src, monkeypatch):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # publish() passes the environment on to the CLI
+    proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "dynamic", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert list(tmp.glob("fp8kit-publish-*")) == []
+    result = results(proc)["tester/tiny-FP8-Dynamic"]
+    assert result["status"] == "uploaded" and result["staging"] is None  # the report does not point at it
+
+    hub.faults["/commit/"] = [500, 500, 500]  # a failed upload cleans up too
+    proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "block", "--json")
+    assert proc.returncode == 1 and results(proc)["tester/tiny-FP8-Block"]["status"] == "failed"
+    assert list(tmp.glob("fp8kit-publish-*")) == []
+
+    # a dry run keeps its staging folder: its report points there
+    proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "dynamic", "--dry-run", "--org",
+                   "tester", "--json")
+    staged = results(proc)["tester/tiny-FP8-Dynamic"]["staging"]
+    assert proc.returncode == 0 and staged.startswith(str(tmp)) and (Path(staged) / "README.md").exists()
+
+
+RESTAGE = """
+import resource, sys
+from fp8kit.hub import publish
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+[result] = publish(sys.argv[1], ["dynamic"], base_model="org/tiny", org="me", dry_run=True, staging=sys.argv[2])
+print(result.status, result.error)
+"""
+
+
+def test_failed_restage_leaves_the_previous_staging_folder_whole(tmp_path, src):
+    from fp8kit.hub import publish as publish_api
+
+    staging = tmp_path / "staging"
+    [first] = publish_api(str(src), ["dynamic"], base_model="org/tiny", org="me", dry_run=True, staging=staging)
+    folder = staging / "me--tiny-FP8-Dynamic"
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert first.status == "dry-run" and {"README.md", "fp8kit.json", "model.safetensors"} <= set(before)
+
+    # The conversion is cached, so the re-run only writes the card and fp8kit.json, and the card is over the
+    # 1000-byte file size limit: a disk filling up in the middle of staging.
+    assert len(before["README.md"]) > 1000
+    proc = subprocess.run([sys.executable, "-c", RESTAGE, str(src), str(staging)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("failed OSError") and "too large" in proc.stdout, proc.stdout
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert sorted(p.name for p in staging.iterdir()) == ["me--tiny-FP8-Dynamic"]  # no temporary sibling left

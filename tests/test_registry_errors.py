@@ -1,0 +1,69 @@
+"""Registry overlay writes that fail leave the file whole; `fp8kit cache rm` with a cache path that is a file."""
+
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from fp8kit.cli import main
+from fp8kit.registry import load
+
+OVERLAY = '''# my uploads
+[[variant]]
+repo_id = "me/Qwen3-8B-FP8-Dynamic"
+family = "qwen3"
+scheme = "dynamic"
+format = "compressed-tensors"
+serves = ["dynamic"]
+base = ["Qwen/Qwen3-8B"]
+'''
+
+APPEND = """
+import resource, sys
+from fp8kit.errors import Fp8kitError
+from fp8kit.registry.catalog import Variant, append_to_overlay
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    append_to_overlay(Variant("me/gemma-3-4b-it-FP8-Block", "gemma-3", "block", "compressed-tensors", ("block",),
+                              ("google/gemma-3-4b-it",), "overlay"))
+except Fp8kitError as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP8KIT_REGISTRY", str(tmp_path / "overlay.toml"))
+    monkeypatch.setenv("FP8KIT_CACHE", str(tmp_path / "fp8cache"))
+
+
+def test_overlay_write_that_runs_out_of_space_leaves_the_file_whole(tmp_path):
+    overlay = tmp_path / "overlay.toml"
+    overlay.write_text(OVERLAY)
+    # Files may grow to 20 bytes past the overlay's size: the new entry does not fit (a disk filling up).
+    proc = subprocess.run([sys.executable, "-c", APPEND, str(len(OVERLAY) + 20)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.startswith(f"{overlay}: cannot write") and len(proc.stdout.strip().splitlines()) == 1
+    assert overlay.read_text() == OVERLAY
+    assert [v.repo_id for v in load() if v.source == "overlay"] == ["me/Qwen3-8B-FP8-Dynamic"]
+    assert not list(tmp_path.glob(".overlay.toml.*.tmp"))
+
+    proc = subprocess.run([sys.executable, "-c", APPEND, str(1 << 20)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert overlay.read_text().startswith(OVERLAY)
+    assert [v.repo_id for v in load() if v.source == "overlay"] == ["me/Qwen3-8B-FP8-Dynamic",
+                                                                    "me/gemma-3-4b-it-FP8-Block"]
+
+
+@pytest.mark.parametrize("args", [["--all"], ["org/model"]])
+def test_cache_rm_when_the_cache_path_is_a_file_is_one_line(tmp_path, monkeypatch, args):
+    not_a_folder = tmp_path / "fp8cache"
+    not_a_folder.write_text("something else\n")
+    result = CliRunner().invoke(main, ["cache", "rm", *args])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(not_a_folder) in lines[0] and "FP8KIT_CACHE" in lines[0], result.stderr
+    assert not_a_folder.read_text() == "something else\n"
