@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import re
+import secrets
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +24,15 @@ from fp8kit.rl.bf16_lora import LoRALinear
 from fp8kit.rl.fp8_linear import FP8LoRALinear
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+RECONVERT = "re-download the checkpoint or convert it again"
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's text on one line (OSError: just its reason), for inclusion in an Fp8kitError."""
+    text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return " ".join(text.split()) or type(e).__name__
 
 
 @contextlib.contextmanager
@@ -42,14 +53,14 @@ def _parameters_on_meta():
         nn.Module.register_parameter = original
 
 
-def _scheme(qc: dict) -> str:
+def _scheme(qc: dict, where: str = "config.json") -> str:
     from fp8kit.quality import scheme_of
 
     try:
         return scheme_of(qc)
-    except (KeyError, TypeError) as e:
-        raise Fp8kitError(f"unsupported quantization_config (quant_method {qc.get('quant_method')!r}); expected "
-                          f"FP8 compressed-tensors or fp8") from e
+    except (KeyError, TypeError, AttributeError) as e:
+        raise Fp8kitError(f"{where}: unsupported quantization_config (quant_method {qc.get('quant_method')!r}); "
+                          f"expected FP8 compressed-tensors or fp8") from e
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -69,21 +80,29 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 def _checkpoint_tensors(path: Path, device: torch.device) -> dict[str, Callable[[], torch.Tensor]]:
     """Every tensor of the checkpoint's safetensors files, read only when asked for (straight to `device`)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     getters = {}
     for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, "pt") as sf:
-            for k in sf.keys():
-                getters[k] = functools.partial(_read_tensor, f, k, str(device))
+        try:
+            with safe_open(f, "pt") as sf:
+                keys = list(sf.keys())
+        except (OSError, SafetensorError) as e:
+            raise Fp8kitError(f"{f}: not a readable safetensors file, truncated or corrupt ({_one_line(e)}); "
+                              f"{RECONVERT}") from e
+        for k in keys:
+            getters[k] = functools.partial(_read_tensor, f, k, str(device))
     return getters
 
 
 def _read_tensor(file: Path, key: str, device: str) -> torch.Tensor:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(file, "pt", device=device) as sf:
-        return sf.get_tensor(key)
+    try:
+        with safe_open(file, "pt", device=device) as sf:
+            return sf.get_tensor(key)
+    except (OSError, SafetensorError) as e:
+        raise Fp8kitError(f"{file}: cannot read tensor {key!r} ({_one_line(e)}); {RECONVERT}") from e
 
 
 def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str | None, dtype: torch.dtype,
@@ -145,12 +164,29 @@ def read_config(path: Path):
     """(config without its quantization_config, FP8 scheme or None for a full-precision checkpoint)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
+    file = Path(path) / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError as e:
+        raise Fp8kitError(f"{file}: missing; pass a Hugging Face checkpoint directory (config.json and "
+                          f"*.safetensors)") from e
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8 or not JSON
+        raise Fp8kitError(f"{file}: unreadable or not JSON ({_one_line(e)}); {RECONVERT}") from e
+    if not isinstance(raw, dict):
+        raise Fp8kitError(f"{file}: not a JSON object; {RECONVERT}")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise Fp8kitError(f"{file}: transformers cannot build a config from it ({_one_line(e)}); check its model_type "
+                          f"(a newer transformers may be needed) or {RECONVERT}") from e
     qc = getattr(config, "quantization_config", None)
     if qc is None:
         return config, None
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    scheme = _scheme(qc)
+    if not isinstance(qc, dict):
+        if not callable(getattr(qc, "to_dict", None)):
+            raise Fp8kitError(f"{file}: quantization_config is not a JSON object; {RECONVERT}")
+        qc = qc.to_dict()
+    scheme = _scheme(qc, str(file))
     del config.quantization_config
     return config, scheme
 
@@ -238,22 +274,38 @@ def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def save_adapter(model: nn.Module, directory: str | Path, base_model_name_or_path: str = "") -> Path:
-    """PEFT's adapter layout (adapter_model.safetensors + adapter_config.json), readable by peft and vLLM."""
-    from fp8kit.converter.output import atomic_directory
-
+    """PEFT's adapter layout (adapter_model.safetensors + adapter_config.json), readable by peft and vLLM.
+    `directory` is created if missing; each of the two files is replaced atomically and every other file
+    in the directory is left alone."""
     directory = Path(directory)
-    with atomic_directory(directory.resolve(), overwrite=True) as tmp:
-        write_adapter(model, tmp, base_model_name_or_path)
+    tensors, config = _adapter_payload(model, base_model_name_or_path)  # refuses before anything is created
+    if directory.exists() and not directory.is_dir():
+        raise Fp8kitError(f"{directory}: exists and is not a directory; choose another adapter directory")
+    created = not directory.exists()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Fp8kitError(f"{directory}: cannot create ({_one_line(e)}); choose another adapter directory") from e
+    try:
+        _write_adapter_files(directory, tensors, config)
+    except Fp8kitError:
+        if created:
+            with contextlib.suppress(OSError):
+                directory.rmdir()  # only the folder made here, and only while it is empty
+        raise
     return directory
 
 
 def write_adapter(model: nn.Module, folder: Path, base_model_name_or_path: str = "") -> None:
-    """The adapter files written into `folder` as they are (callers make the folder appear atomically)."""
-    from safetensors.torch import save_file
+    """The adapter files written into the existing `folder`, each replaced atomically; other files stay."""
+    _write_adapter_files(Path(folder), *_adapter_payload(model, base_model_name_or_path))
 
+
+def _adapter_payload(model: nn.Module, base_model_name_or_path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """The adapter's tensors under PEFT's names, and its adapter_config.json."""
     modules = lora_modules(model)
     if not modules:
-        raise Fp8kitError("the model has no LoRA modules to save")
+        raise Fp8kitError("the model has no LoRA modules to save; load it with lora_rank > 0")
     tensors = {}
     for name, m in modules.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.detach().contiguous().cpu()
@@ -263,37 +315,111 @@ def write_adapter(model: nn.Module, folder: Path, base_model_name_or_path: str =
               "lora_dropout": getattr(first.lora_dropout, "p", 0.0), "bias": "none", "fan_in_fan_out": False,
               "target_modules": sorted({n.rsplit(".", 1)[-1] for n in modules}),
               "base_model_name_or_path": base_model_name_or_path, "inference_mode": True}
-    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
-    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return tensors, config
+
+
+def _write_adapter_files(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """Both files written to temporary names in `folder`, flushed, then renamed over the old ones: a reader
+    sees the previous file or the new one, never a part; no temporary file survives a failure."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    weights, config_file = folder / ADAPTER_WEIGHTS, folder / ADAPTER_CONFIG
+    temps: list[Path] = []
+    try:
+        tmp_weights = _new_temp_beside(weights, temps)
+        mode = tmp_weights.stat().st_mode
+        save_file(tensors, tmp_weights, metadata={"format": "pt"})
+        os.chmod(tmp_weights, mode)  # safetensors writes through a private 0600 file of its own
+        tmp_config = _new_temp_beside(config_file, temps)
+        tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for tmp in temps:
+            _fsync(tmp)
+        os.replace(tmp_weights, weights)
+        os.replace(tmp_config, config_file)
+    except (OSError, SafetensorError) as e:
+        raise Fp8kitError(f"{folder}: cannot write the adapter ({_one_line(e)}); free disk space or choose another "
+                          f"adapter directory") from e
+    finally:
+        for tmp in temps:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+    with contextlib.suppress(OSError):  # the renames themselves durable, where the platform allows
+        _fsync(folder)
+
+
+def _new_temp_beside(final: Path, temps: list[Path]) -> Path:
+    """A new empty file next to `final` (same filesystem, so os.replace is atomic), with the permissions an
+    ordinary new file gets; recorded in `temps` for cleanup."""
+    tmp = final.with_name(f".{final.name}.{secrets.token_hex(6)}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    temps.append(tmp)
+    return tmp
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_adapter(model: nn.Module, directory: str | Path) -> None:
     """Load a PEFT LoRA adapter into the model's LoRA modules: ranks and shapes must match; the scaling
-    (lora_alpha / r) is taken from adapter_config.json."""
+    (lora_alpha / r) is taken from adapter_config.json. Everything is checked before the model is touched."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     directory = Path(directory)
+    config_file, weights_file = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
+    redo = "pass a folder written by save_adapter or peft's save_pretrained"
     try:
-        config = json.loads((directory / "adapter_config.json").read_text())
-        tensors = load_file(directory / "adapter_model.safetensors")
-    except (OSError, ValueError) as e:
-        raise Fp8kitError(f"{directory}: not a readable PEFT adapter ({e})") from e
+        config = json.loads(config_file.read_text())
+    except FileNotFoundError as e:
+        raise Fp8kitError(f"{config_file}: missing; {redo}") from e
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8 or not JSON
+        raise Fp8kitError(f"{config_file}: unreadable or not JSON ({_one_line(e)}); {redo}") from e
+    if not isinstance(config, dict):
+        raise Fp8kitError(f"{config_file}: not a JSON object; {redo}")
+    if "r" not in config:
+        raise Fp8kitError(f"{config_file}: has no LoRA rank `r`; add the adapter's rank or save the adapter again")
+    rank = config["r"]
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise Fp8kitError(f"{config_file}: the LoRA rank `r` must be a positive integer, got {rank!r}; set it to the "
+                          f"adapter's rank or save the adapter again")
+    alpha = config.get("lora_alpha", rank)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise Fp8kitError(f"{config_file}: `lora_alpha` must be a number, got {alpha!r}; set it or save the adapter "
+                          f"again")
+    if not weights_file.exists():
+        pickled = " (adapter_model.bin is a pickle, never read: save it with safe_serialization=True)" if (
+            directory / "adapter_model.bin").exists() else ""
+        raise Fp8kitError(f"{weights_file}: missing{pickled}; {redo}")
+    try:
+        tensors = load_file(weights_file)
+    except (OSError, SafetensorError) as e:
+        raise Fp8kitError(f"{weights_file}: not a readable safetensors file, truncated or corrupt ({_one_line(e)}); "
+                          f"save the adapter again") from e
     modules = lora_modules(model)
+    updates = []
     seen = set()
     for key, value in tensors.items():
         m = re.fullmatch(r"base_model\.model\.(.+)\.(lora_[AB])(?:\.default)?\.weight", key)
         if not m or m[1] not in modules:
-            raise Fp8kitError(f"{directory}: adapter tensor {key!r} matches no LoRA module of the model")
+            raise Fp8kitError(f"{weights_file}: adapter tensor {key!r} matches no LoRA module of the model")
         target = getattr(modules[m[1]], m[2])
         if target.shape != value.shape:
-            raise Fp8kitError(f"{directory}: {key} has shape {tuple(value.shape)}, the model's is {tuple(target.shape)} "
-                              f"(adapter r={config.get('r')}, model r={modules[m[1]].rank})")
-        with torch.no_grad():
-            target.copy_(value)
-        seen.add(m[1])
-    missing = sorted(set(modules) - seen)
+            raise Fp8kitError(f"{weights_file}: {key} has shape {tuple(value.shape)}, the model's is "
+                              f"{tuple(target.shape)} (adapter r={rank}, model r={modules[m[1]].rank})")
+        updates.append((target, value))
+        seen.add((m[1], m[2]))
+    missing = sorted(n for n in modules if (n, "lora_A") not in seen or (n, "lora_B") not in seen)
     if missing:
-        raise Fp8kitError(f"{directory}: the adapter has no weights for {len(missing)} LoRA modules, e.g. {missing[0]}")
-    scaling = config.get("lora_alpha", config.get("r")) / config["r"]
-    for name in seen:
-        modules[name].scaling = scaling
+        raise Fp8kitError(f"{weights_file}: the adapter has no weights for {len(missing)} LoRA modules, e.g. "
+                          f"{missing[0]}")
+    with torch.no_grad():
+        for target, value in updates:
+            target.copy_(value)
+    for m in modules.values():
+        m.scaling = alpha / rank

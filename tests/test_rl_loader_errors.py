@@ -1,0 +1,223 @@
+"""Bad input to the FP8 LoRA loaders: one Fp8kitError line naming the file and what to do, and the model
+untouched; save_adapter writes its two files into a directory without disturbing anything else there."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fp8kit import convert
+from fp8kit.errors import Fp8kitError
+from fp8kit.quality import load_causal_lm, quiet
+from fp8kit.rl import load_adapter, load_fp8_model, save_adapter
+from fp8kit.rl.loader import lora_modules
+
+IDS = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(llama_dir, tmp_path_factory):
+    return convert(llama_dir, tmp_path_factory.mktemp("fp8") / "dynamic", scheme="dynamic").out
+
+
+def _model(fp8_dir, seed=0):
+    """An FP8 model whose LoRA B matrices are random (LoRA then changes the logits)."""
+    model = load_fp8_model(fp8_dir, dtype=torch.float32, lora_rank=4, lora_alpha=8)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("lora_B"):
+                p.normal_(0, 0.05, generator=g)
+    return model
+
+
+@pytest.fixture(scope="module")
+def adapter(fp8_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("adapter") / "adapter"
+    save_adapter(_model(fp8_dir, seed=1), path)
+    return path
+
+
+def _lora_state(model):
+    return {n: (m.lora_A.detach().clone(), m.lora_B.detach().clone(), m.scaling)
+            for n, m in lora_modules(model).items()}
+
+
+def _assert_untouched(model, before):
+    after = _lora_state(model)
+    assert after.keys() == before.keys()
+    for n in before:
+        assert torch.equal(after[n][0], before[n][0]) and torch.equal(after[n][1], before[n][1]), n
+        assert after[n][2] == before[n][2], n
+
+
+def _one_line(excinfo, *needles):
+    message = str(excinfo.value)
+    assert "\n" not in message, message
+    for needle in needles:
+        assert needle in message, message
+
+
+def _bad_adapter(adapter, tmp_path, config=None, weights=None):
+    """A copy of `adapter` with adapter_config.json replaced by `config` (text) or the weights by `weights`."""
+    bad = tmp_path / "bad"
+    shutil.copytree(adapter, bad)
+    if config is not None:
+        (bad / "adapter_config.json").write_text(config)
+    if weights is not None:
+        (bad / "adapter_model.safetensors").write_bytes(weights)
+    return bad
+
+
+def test_truncated_adapter_file_is_named(fp8_dir, adapter, tmp_path):
+    data = (adapter / "adapter_model.safetensors").read_bytes()
+    bad = _bad_adapter(adapter, tmp_path, weights=data[:-100])
+    model = _model(fp8_dir)
+    before = _lora_state(model)
+    with pytest.raises(Fp8kitError) as e:
+        load_adapter(model, bad)
+    _one_line(e, str(bad / "adapter_model.safetensors"), "truncated", "save the adapter again")
+    _assert_untouched(model, before)
+
+
+def test_adapter_config_without_r_is_named(fp8_dir, adapter, tmp_path):
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    del config["r"]
+    bad = _bad_adapter(adapter, tmp_path, config=json.dumps(config))
+    model = _model(fp8_dir)
+    before = _lora_state(model)
+    with pytest.raises(Fp8kitError) as e:
+        load_adapter(model, bad)
+    _one_line(e, str(bad / "adapter_config.json"), "`r`")
+    _assert_untouched(model, before)  # the weights were not copied in before the config was found wanting
+
+
+@pytest.mark.parametrize("text, needle", [("[4, 8]", "not a JSON object"), ('{"r": 4,', "not JSON"),
+                                          ('{"r": 0, "lora_alpha": 8}', "positive integer"),
+                                          ('{"r": 4, "lora_alpha": "8"}', "lora_alpha")],
+                         ids=["list", "corrupt", "r-zero", "alpha-string"])
+def test_unusable_adapter_config_is_named(fp8_dir, adapter, tmp_path, text, needle):
+    bad = _bad_adapter(adapter, tmp_path, config=text)
+    model = _model(fp8_dir)
+    before = _lora_state(model)
+    with pytest.raises(Fp8kitError) as e:
+        load_adapter(model, bad)
+    _one_line(e, str(bad / "adapter_config.json"), needle)
+    _assert_untouched(model, before)
+
+
+def test_failed_adapter_load_leaves_the_model_untouched(fp8_dir, adapter, tmp_path):
+    """A wrong shape in the last tensor is found before any tensor is copied into the model."""
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    last = sorted(tensors)[-1]
+    tensors[last] = torch.zeros(tensors[last].shape[0] + 1, tensors[last].shape[1])
+    bad = _bad_adapter(adapter, tmp_path)
+    save_file(tensors, bad / "adapter_model.safetensors", metadata={"format": "pt"})
+    model = _model(fp8_dir)
+    before = _lora_state(model)
+    with pytest.raises(Fp8kitError) as e:
+        load_adapter(model, bad)
+    _one_line(e, str(bad / "adapter_model.safetensors"), last, "shape")
+    _assert_untouched(model, before)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "{}", None], ids=["corrupt", "list", "no-model-type",
+                                                                              "missing"])
+def test_unusable_model_config_is_named(fp8_dir, tmp_path, text):
+    bad = tmp_path / "bad"
+    shutil.copytree(fp8_dir, bad)
+    if text is None:
+        (bad / "config.json").unlink()
+    else:
+        (bad / "config.json").write_text(text)
+    with pytest.raises(Fp8kitError) as e:
+        load_fp8_model(bad, dtype=torch.float32)
+    _one_line(e, str(bad / "config.json"))
+
+
+@pytest.mark.parametrize("keep", [-1000, 4], ids=["tail-cut", "shorter-than-header-length"])
+def test_truncated_model_shard_is_named(fp8_dir, tmp_path, keep):
+    bad = tmp_path / "bad"
+    shutil.copytree(fp8_dir, bad)
+    shard = bad / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:keep])
+    with pytest.raises(Fp8kitError) as e:
+        load_fp8_model(bad, dtype=torch.float32)
+    _one_line(e, str(shard), "truncated", "re-download the checkpoint or convert it again")
+
+
+def _adapter_files(directory):
+    return sorted(p.name for p in directory.iterdir() if "adapter" in p.name)
+
+
+def test_save_adapter_keeps_unrelated_files_and_round_trips(fp8_dir, llama_dir, tmp_path, monkeypatch):
+    from peft import PeftModel
+
+    work = tmp_path / "run"
+    (work / "logs").mkdir(parents=True)
+    (work / "notes.txt").write_text("keep me")
+    (work / "logs" / "train.log").write_text("step 1")
+    model = _model(fp8_dir, seed=2)
+    monkeypatch.chdir(work)
+    assert save_adapter(model, ".", base_model_name_or_path=str(llama_dir)) == Path(".")
+    assert (work / "notes.txt").read_text() == "keep me" and (work / "logs" / "train.log").read_text() == "step 1"
+    assert _adapter_files(work) == ["adapter_config.json", "adapter_model.safetensors"]  # no temporaries
+    assert os.stat(work / "adapter_model.safetensors").st_mode & 0o777 == 0o666 & ~_umask()
+
+    # Saving again replaces the adapter and still leaves the rest alone.
+    model = _model(fp8_dir, seed=3)
+    save_adapter(model, work, base_model_name_or_path=str(llama_dir))
+    assert sorted(p.name for p in work.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "logs",
+                                                      "notes.txt"]
+    fresh = _model(fp8_dir, seed=4)
+    load_adapter(fresh, work)
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=IDS).logits, model(input_ids=IDS).logits)
+    with quiet():
+        base = load_causal_lm(llama_dir, torch.float32)
+    peft_model = PeftModel.from_pretrained(base, work)
+    checked = 0
+    for name, module in peft_model.base_model.model.named_modules():
+        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+            ours = model.get_submodule(name)
+            assert torch.equal(module.lora_B["default"].weight, ours.lora_B)
+            assert module.scaling["default"] == ours.scaling
+            checked += 1
+    assert checked == len(lora_modules(model))
+
+    # A save that fails part-way leaves the previous adapter, the other files, and no temporaries.
+    previous = {n: (work / n).read_bytes() for n in _adapter_files(work)}
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_file", disk_full)
+    with pytest.raises(Fp8kitError) as e:
+        save_adapter(_model(fp8_dir, seed=5), work)
+    _one_line(e, str(work), "No space left on device", "free disk space")
+    assert {n: (work / n).read_bytes() for n in _adapter_files(work)} == previous
+    assert sorted(p.name for p in work.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "logs",
+                                                      "notes.txt"]
+
+
+def test_save_adapter_creates_a_missing_directory_but_never_replaces_a_file(fp8_dir, tmp_path):
+    model = _model(fp8_dir)
+    save_adapter(model, tmp_path / "new" / "adapter")
+    assert _adapter_files(tmp_path / "new" / "adapter") == ["adapter_config.json", "adapter_model.safetensors"]
+    target = tmp_path / "occupied"
+    target.write_text("a file, not a folder")
+    with pytest.raises(Fp8kitError) as e:
+        save_adapter(model, target)
+    _one_line(e, str(target), "not a directory")
+    assert target.read_text() == "a file, not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "occupied"]
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
