@@ -221,3 +221,31 @@ def _umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_rslora_scaling_matches_peft(fp8_dir, adapter, tmp_path):
+    """use_rslora: scaling alpha / sqrt(r), as peft's own LoRA layer computes it for the same config."""
+    from peft import LoraConfig, get_peft_model
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    bad = _bad_adapter(adapter, tmp_path, config=json.dumps({**config, "use_rslora": True}))
+    model = load_fp8_model(fp8_dir, dtype=torch.float32, lora_rank=4, lora_alpha=8)
+    load_adapter(model, bad)
+    reference = get_peft_model(torch.nn.Sequential(torch.nn.Linear(8, 8)),
+                               LoraConfig(r=config["r"], lora_alpha=config["lora_alpha"], use_rslora=True,
+                                          target_modules=["0"]))
+    want = reference.base_model.model[0].scaling["default"]
+    assert want != config["lora_alpha"] / config["r"]
+    assert {m.scaling for m in lora_modules(model).values()} == {want}
+
+
+@pytest.mark.parametrize("key", ["rank_pattern", "alpha_pattern"])
+def test_per_module_patterns_are_refused(fp8_dir, adapter, tmp_path, key):
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    bad = _bad_adapter(adapter, tmp_path, config=json.dumps({**config, key: {"q_proj": 16}}))
+    model = load_fp8_model(fp8_dir, dtype=torch.float32, lora_rank=4, lora_alpha=8)
+    before = _lora_state(model)
+    with pytest.raises(Fp8kitError) as excinfo:
+        load_adapter(model, bad)
+    _one_line(excinfo, str(bad / "adapter_config.json"), f"`{key}`")
+    _assert_untouched(model, before)

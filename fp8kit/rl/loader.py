@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import re
 import secrets
@@ -392,6 +393,13 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise Fp8kitError(f"{config_file}: `lora_alpha` must be a number, got {alpha!r}; set it or save the adapter "
                           f"again")
+    # peft's per-module overrides would give some modules another rank or scaling than r and lora_alpha say
+    patterns = [k for k in ("rank_pattern", "alpha_pattern") if config.get(k)]
+    if patterns:
+        raise Fp8kitError(f"{config_file}: `{patterns[0]}` gives some modules their own rank or alpha, which "
+                          f"load_adapter does not support; use one r and lora_alpha for every module")
+    # peft's LoraLayer.update_layer: rank-stabilized LoRA scales by alpha / sqrt(r) instead of alpha / r
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     if not weights_file.exists():
         pickled = " (adapter_model.bin is a pickle, never read: save it with safe_serialization=True)" if (
             directory / "adapter_model.bin").exists() else ""
@@ -422,4 +430,4 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
         for target, value in updates:
             target.copy_(value)
     for m in modules.values():
-        m.scaling = alpha / rank
+        m.scaling = scaling
