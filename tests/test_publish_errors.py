@@ -65,6 +65,7 @@ GOOD = '[[model]]\nsrc = "{src}"\nbase_model = "org/tiny"\nschemes = ["dynamic"]
     ("", 'schemes = ["dynamic"]\nsrc = 5', "[[model]] number 2: 'src' must be a non-empty string"),
     ("", 'schemes = ["dynamic"]\nrepo_template = "{org}/{name"', "[[model]] number 2: 'repo_template' '{org}/{name'"),
     ("", 'schemes = ["dynamic"]\nmax-kl = 0.01', "[[model]] number 2: unknown key 'max-kl'"),
+    ("", 'schemes = ["dynamic"]\nrepo_template = 3', "[[model]] number 2: 'repo_template' must be a string"),
 ])
 def test_plan_fields_are_type_checked_before_any_work(tmp_path, src, top, entry, needle):
     plan = tmp_path / "plan.toml"
@@ -139,3 +140,15 @@ def test_failed_restage_leaves_the_previous_staging_folder_whole(tmp_path, src):
     assert proc.stdout.startswith("failed OSError") and "too large" in proc.stdout, proc.stdout
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert sorted(p.name for p in staging.iterdir()) == ["me--tiny-FP8-Dynamic"]  # no temporary sibling left
+
+
+def test_staging_folder_that_is_a_file_fails_that_variant(tmp_path, src):
+    from fp8kit.hub import publish as publish_api
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / "me--tiny-FP8-Dynamic").write_text("mine")
+    [result] = publish_api(str(src), ["dynamic"], base_model="org/tiny", org="me", dry_run=True, staging=staging)
+    assert result.status == "failed" and "is not a folder" in result.error and "\n" not in result.error
+    assert (staging / "me--tiny-FP8-Dynamic").read_text() == "mine"
+    assert sorted(p.name for p in staging.iterdir()) == ["me--tiny-FP8-Dynamic"]

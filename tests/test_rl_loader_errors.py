@@ -84,6 +84,15 @@ def test_truncated_adapter_file_is_named(fp8_dir, adapter, tmp_path):
     _assert_untouched(model, before)
 
 
+def test_pickled_adapter_is_named_and_never_read(fp8_dir, adapter, tmp_path):
+    bad = _bad_adapter(adapter, tmp_path)
+    (bad / "adapter_model.safetensors").unlink()
+    (bad / "adapter_model.bin").write_bytes(b"not even a pickle")
+    with pytest.raises(Fp8kitError) as e:
+        load_adapter(_model(fp8_dir), bad)
+    _one_line(e, str(bad / "adapter_model.safetensors"), "adapter_model.bin is a pickle, never read")
+
+
 def test_adapter_config_without_r_is_named(fp8_dir, adapter, tmp_path):
     config = json.loads((adapter / "adapter_config.json").read_text())
     del config["r"]

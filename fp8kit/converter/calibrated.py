@@ -34,7 +34,7 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     start = time.perf_counter()
     dev = resolve_device(device)
     shard_bytes = parse_size(max_shard_size)
-    if device == "cpu" and _accelerator_available(torch):
+    if device == "cpu" and _accelerator_available():
         raise Fp8kitError("--device cpu: --scheme tensor-static calibrates through llm-compressor, which runs on the "
                           "GPU whenever one is visible; use --device auto or cuda, or hide the GPU "
                           "(CUDA_VISIBLE_DEVICES=) to calibrate on the CPU")
@@ -87,7 +87,9 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
         warnings=sel.warnings + [f"calibrated on {len(samples)} sequences from {calibration.name}"])
 
 
-def _accelerator_available(torch) -> bool:
+def _accelerator_available() -> bool:
     """Whether llm-compressor will calibrate on an accelerator (its get_main_device's test)."""
+    import torch
+
     accelerator = getattr(torch, "accelerator", None)
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()

@@ -68,7 +68,7 @@ def check_repo_template(template, where: str = "--repo-template") -> None:
 
 
 def repo_id_for(template: str, org: str, base_model: str, scheme: str) -> str:
-    check_repo_template(template)
+    """`template` filled in; publish() has refused a malformed one with check_repo_template."""
     name = base_model.split("/")[-1]
     repo_id = template.format(org=org, name=name, scheme=scheme, Scheme=scheme.capitalize())
     if repo_id.count("/") != 1:

@@ -122,12 +122,12 @@ def append_to_overlay(variant: Variant, path: Path | None = None) -> Path:
              f'scheme = "{variant.scheme}"\nformat = "{variant.format}"\nserves = {lists["serves"]}\n'
              f'base = {lists["base"]}\n')
     path.parent.mkdir(parents=True, exist_ok=True)
-    _replace_text(path, lambda text: text + block)
+    _append_whole(path, block)
     return path
 
 
-def _replace_text(path: Path, edit) -> None:
-    """Rewrite `path` as edit(old text) through a temporary file beside it and os.replace, under a lock file
+def _append_whole(path: Path, block: str) -> None:
+    """Rewrite `path` as its old text + `block` through a temporary file beside it and os.replace, under a lock file
     beside it: a failed write (disk full, interrupt) leaves the old file whole, and concurrent writers do not
     lose each other's entries. A symlinked file is rewritten at its target."""
     import fcntl
@@ -142,7 +142,7 @@ def _replace_text(path: Path, edit) -> None:
             mode = target.stat().st_mode & 0o7777 if target.exists() else None
             try:
                 with open(tmp, "x") as f:
-                    f.write(edit(text))
+                    f.write(text + block)
                     f.flush()
                     os.fsync(f.fileno())
                 if mode is not None:
