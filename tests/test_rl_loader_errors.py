@@ -258,3 +258,32 @@ def test_per_module_patterns_are_refused(fp8_dir, adapter, tmp_path, key):
         load_adapter(model, bad)
     _one_line(excinfo, str(bad / "adapter_config.json"), f"`{key}`")
     _assert_untouched(model, before)
+
+
+def test_save_interrupted_between_its_two_files_is_refused_on_load(fp8_dir, tmp_path, monkeypatch):
+    """The weights renamed into place, then the config's rename fails: the folder holds new weights with the old
+    config. With the same rank and another lora_alpha it would load with the wrong scaling; it is refused."""
+    work = tmp_path / "adapter"
+    save_adapter(_model(fp8_dir, seed=1), work)  # lora_alpha 8
+    newer = load_fp8_model(fp8_dir, dtype=torch.float32, lora_rank=4, lora_alpha=16)
+    real_replace = os.replace
+
+    def config_rename_fails(src, dst):
+        if Path(dst).name == "adapter_config.json":
+            raise OSError(5, "Input/output error")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", config_rename_fails)
+    with pytest.raises(Fp8kitError):
+        save_adapter(newer, work)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert json.loads((work / "adapter_config.json").read_text())["lora_alpha"] == 8
+    model = _model(fp8_dir)
+    before = _lora_state(model)
+    with pytest.raises(Fp8kitError) as e:
+        load_adapter(model, work)
+    _one_line(e, str(work / "adapter_model.safetensors"), "lora_alpha=16.0", "says 8.0", "save the adapter again")
+    _assert_untouched(model, before)
+    save_adapter(newer, work)  # a whole save loads again
+    load_adapter(model, work)
+    assert {m.scaling for m in lora_modules(model).values()} == {4.0}

@@ -327,7 +327,7 @@ def _write_adapter_files(folder: Path, tensors: dict[str, torch.Tensor], config:
     try:
         tmp_weights = _new_temp_beside(weights, temps)
         mode = tmp_weights.stat().st_mode
-        save_file(tensors, tmp_weights, metadata={"format": "pt"})
+        save_file(tensors, tmp_weights, metadata=_scaling_stamp(config))
         os.chmod(tmp_weights, mode)  # safetensors writes through a private 0600 file of its own
         tmp_config = _new_temp_beside(config_file, temps)
         tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -344,6 +344,14 @@ def _write_adapter_files(folder: Path, tensors: dict[str, torch.Tensor], config:
                 tmp.unlink()
     with contextlib.suppress(OSError):  # the renames themselves durable, where the platform allows
         _fsync(folder)
+
+
+def _scaling_stamp(config: dict) -> dict[str, str]:
+    """The weights file's metadata records the config fields that set the scaling, so that load_adapter can tell
+    a folder whose two files come from different saves (a save interrupted between its two renames) from a
+    whole one: the same rank with another lora_alpha would otherwise load with the wrong scaling, silently.
+    peft ignores metadata beyond `format`."""
+    return {"format": "pt", "fp8kit.lora_alpha": repr(float(config["lora_alpha"]))}
 
 
 def _new_temp_beside(final: Path, temps: list[Path]) -> Path:
@@ -366,7 +374,7 @@ def _fsync(path: Path) -> None:
 def load_adapter(model: nn.Module, directory: str | Path) -> None:
     """Load a PEFT LoRA adapter into the model's LoRA modules: ranks and shapes must match; the scaling
     (lora_alpha / r) is taken from adapter_config.json. Everything is checked before the model is touched."""
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -403,9 +411,17 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
         raise Fp8kitError(f"{weights_file}: missing{pickled}; {redo}")
     try:
         tensors = load_file(weights_file)
+        with safe_open(weights_file, "pt") as f:
+            stamp = f.metadata() or {}
     except (OSError, SafetensorError) as e:
         raise Fp8kitError(f"{weights_file}: not a readable safetensors file, truncated or corrupt ({_one_line(e)}); "
                           f"save the adapter again") from e
+    expected = _scaling_stamp({"lora_alpha": alpha})
+    torn = [k for k in expected if k in stamp and stamp[k] != expected[k]]  # peft's files carry no stamp
+    if torn:
+        raise Fp8kitError(f"{weights_file}: saved with {torn[0].split('.', 1)[1]}={stamp[torn[0]]}, but "
+                          f"{config_file.name} says {expected[torn[0]]}: the two files come from different saves "
+                          f"(an interrupted save_adapter, or an edited config); save the adapter again")
     modules = lora_modules(model)
     updates = []
     seen = set()
