@@ -5,8 +5,10 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from fp8kit.cli import main
@@ -204,6 +206,21 @@ def test_ensure_converts_once_even_when_raced(tmp_path, llama_dir):
     result = runner.invoke(main, ["cache", "rm", "fp8kit-test/tiny-llama"])
     assert result.exit_code == 0 and not entry.exists()
     assert json.loads(runner.invoke(main, ["cache", "list", "--json"]).stdout) == []
+
+
+def test_local_checkpoint_in_a_snapshots_folder_is_keyed_by_its_files(tmp_path):
+    """Only the HF cache's snapshots are keyed by folder name: one's own `snapshots/<name>` retrained in place
+    gets a new entry, not the old conversion."""
+    from fp8kit.models import build_checkpoint
+
+    ckpt = tmp_path / "runs" / "snapshots" / "my-finetune"
+    build_checkpoint(ckpt, "llama", torch.bfloat16, seed=1)
+    first = ensure_proc(tmp_path, str(ckpt), "dynamic").communicate(timeout=120)[0].strip()
+    shutil.rmtree(ckpt)
+    build_checkpoint(ckpt, "llama", torch.bfloat16, seed=2)
+    second = ensure_proc(tmp_path, str(ckpt), "dynamic").communicate(timeout=120)[0].strip()
+    assert Path(first).parent.name.startswith("local-") and Path(second).parent.name.startswith("local-")
+    assert first != second
 
 
 def test_local_directory_is_never_answered_from_the_catalog(tmp_path, llama_dir, monkeypatch):

@@ -41,9 +41,15 @@ def model_dir(name: str) -> Path:
 
 def _source_commit(src: Path) -> str:
     """The Hub commit of a snapshot in the HF cache; for a local directory, a digest of its files' names,
-    sizes and modification times (a changed checkpoint gets a new entry)."""
-    if src.parent.name == "snapshots":
-        return src.name
+    sizes and modification times (a changed checkpoint gets a new entry). Only a snapshot inside the HF cache
+    is keyed by its folder name: a checkpoint of one's own in a folder called `snapshots` changes in place."""
+    from huggingface_hub import constants
+
+    hub_cache = Path(constants.HF_HUB_CACHE).expanduser().resolve()
+    real = src.resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--") and \
+            real.parent.parent.parent == hub_cache:
+        return real.name
     h = hashlib.sha256()
     for p in sorted(src.iterdir()):
         if p.is_file():
