@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import signal
 import sys
 import warnings
@@ -170,7 +169,8 @@ def cache_list(as_json):
         click.echo(json.dumps(rows, indent=2))
         return
     for r in rows:
-        click.echo(f"{r['name']:<40} {r['scheme']:<8} {r['bytes'] / 1e9:7.2f} GB  {'ok' if r['ok'] else 'BROKEN'}  {r['path']}")
+        click.echo(f"{r['name'] or '?':<40} {r['scheme'] or '?':<8} {r['bytes'] / 1e9:7.2f} GB  "
+                   f"{'ok' if r['ok'] else 'BROKEN'}  {r['path']}")
 
 
 @cache.command("rm")
@@ -186,6 +186,8 @@ def cache_rm(name, remove_all):
         removed = remove(None if remove_all else name)
     except Fp8kitError as e:
         _fail(str(e))
+    if name and not removed:
+        _fail(f"nothing cached for {name!r}: `fp8kit cache list` shows the cached names")
     for path in removed:
         click.echo(f"removed {path}")
 
@@ -229,8 +231,10 @@ def publish(src, base_model, schemes, repo_template, org, private, create_pr, ma
         results = []
         for job in jobs:
             try:
+                # the card's "How it was made" is built by publish() from the variant's own arguments: the host's
+                # command line would carry --dry-run, --staging, --plan and local paths
                 results += run(**job, private=private, create_pr=create_pr, dry_run=dry_run, staging=staging,
-                               force=force, command=" ".join(["fp8kit", *map(shlex.quote, sys.argv[1:])]))
+                               force=force)
             except Fp8kitError as e:
                 if not plan_path:
                     raise

@@ -152,3 +152,53 @@ def test_staging_folder_that_is_a_file_fails_that_variant(tmp_path, src):
     assert result.status == "failed" and "is not a folder" in result.error and "\n" not in result.error
     assert (staging / "me--tiny-FP8-Dynamic").read_text() == "mine"
     assert sorted(p.name for p in staging.iterdir()) == ["me--tiny-FP8-Dynamic"]
+
+
+def test_broken_overlay_is_refused_before_any_work(tmp_path, hub, src):
+    """Found after an upload, it left the variant on the Hub and unregistrable; now nothing is converted or sent."""
+    (tmp_path / "overlay.toml").write_text("[[variant]\n")
+    proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "dynamic")
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert str(tmp_path / "overlay.toml") in proc.stderr and "Traceback" not in proc.stderr
+    assert hub.requests == [] and not (tmp_path / "fp8cache").exists()
+
+
+@pytest.mark.parametrize("args", [["--org", "my org"], ["--org", "me", "--base-model", "org/my--model"]],
+                         ids=["space-in-org", "double-dash"])
+def test_names_the_hub_refuses_are_refused_before_converting(tmp_path, src, args):
+    base = [] if "--base-model" in args else ["--base-model", "org/tiny"]
+    result = CliRunner().invoke(main, ["publish", str(src), *base, *args, "--scheme", "dynamic", "--dry-run",
+                                       "--staging", str(tmp_path / "staging")])
+    line = one_line_error(result)
+    assert "the Hub refuses this repo name" in line and "--org" in line
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+
+
+def test_checks_before_an_upload_are_retried(tmp_path, hub, src):
+    args = [src, "--base-model", "org/tiny", "--scheme", "dynamic", "--json"]
+    assert publish(tmp_path, hub, *args).returncode == 0
+    hub.faults["/paths-info/"] = [503]  # once: the comparison with the repo is retried, not failed
+    proc = publish(tmp_path, hub, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert results(proc)["tester/tiny-FP8-Dynamic"]["status"] == "unchanged"
+
+
+def test_card_says_how_the_variant_was_made_not_how_this_run_was_called(tmp_path, src):
+    plan = tmp_path / "plan.toml"
+    plan.write_text(GOOD.format(src=src))
+    result = CliRunner().invoke(main, ["publish", "--plan", str(plan), "--dry-run", "--org", "me", "--json",
+                                       "--staging", str(tmp_path / "staging")])
+    assert result.exit_code == 0, result.output
+    card = (tmp_path / "staging" / "me--tiny-FP8-Dynamic" / "README.md").read_text()
+    made = card.split("## How it was made", 1)[1]
+    assert f"fp8kit publish {src} --base-model org/tiny --scheme dynamic" in made
+    for flag in ("--dry-run", "--staging", "--plan", "--json", str(plan)):
+        assert flag not in made, flag
+
+
+def test_unreadable_source_card_is_one_line(tmp_path, src):
+    (src / "README.md").write_text("---\nlicense: [apache\n---\n# card\n")
+    result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--scheme", "dynamic",
+                                       "--dry-run", "--org", "me", "--staging", str(tmp_path / "staging")])
+    line = one_line_error(result)
+    assert str(src / "README.md") in line and "front matter" in line

@@ -65,12 +65,34 @@ def test_known_models(name, scheme, expected):
 @pytest.mark.parametrize("name", [
     "Qwen/Qwen3-8B-Base", "Qwen/Qwen3-9B", "Qwen/Qwen3-8", "Qwen/Qwen3-8B-Instruct", "Qwen/Qwen3-8b-instrcut",
     "meta-llama/Llama-3.1-8B-Instruct-v2", "meta-llama/Llama-3.1-405B-Instruct", "meta-llama/Llama-3.2-1B-Instruct-Base",
-    "Qwen3-8B", "unsloth/Qwen3-8B-FP8-Dynamic", "google/gemma-3-4b-pt", "someone/Qwen3-8B",
+    "unsloth/Qwen3-8B-FP8-Dynamic", "google/gemma-3-4b-pt", "someone/Qwen3-8B",
+    f"Qwen/Qwen3-8B@{COMMIT}",  # a pinned base: the upload was made from some commit, not necessarily this one
 ])
 def test_near_names_never_borrow_a_variant(name):
     answer = resolve(name, "dynamic")
     assert answer.repo_id is None and answer.source == "convert"
     assert answer.convert_command.startswith(f"fp8-convert {name} ") and "--scheme dynamic" in answer.convert_command
+
+
+@pytest.mark.parametrize("name", ["Qwen3-8B", "Qwen/Qwen3-8B/", "./missing-folder", "a/b/c"])
+def test_names_that_are_neither_folders_nor_repo_ids_are_refused(name):
+    with pytest.raises(Fp8kitError) as e:
+        resolve(name, "dynamic")
+    assert str(e.value).startswith(f"{name}: no such folder") and "org/name" in str(e.value)
+    result = CliRunner().invoke(main, ["resolve", name])
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_pinned_variant_is_its_own_answer_and_keeps_its_pin(tmp_path, llama_dir):
+    answer = resolve(f"unsloth/Qwen3-8B-FP8@{COMMIT}", "block")
+    assert answer.repo_id == f"unsloth/Qwen3-8B-FP8@{COMMIT}" and answer.source == "catalog"
+    assert resolve("UNSLOTH/qwen3-8b-fp8@main", "block").repo_id == "unsloth/Qwen3-8B-FP8@main"
+    # ensure() takes the pinned snapshot from the HF cache (offline) instead of trying to convert an FP8 upload
+    cached_repo(tmp_path / "hub", "unsloth/Qwen3-8B-FP8", llama_dir)
+    proc = ensure_proc(tmp_path, f"unsloth/Qwen3-8B-FP8@{COMMIT}", "block")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert out.strip().endswith(f"models--unsloth--Qwen3-8B-FP8/snapshots/{COMMIT}")
 
 
 def test_scheme_without_upload_converts():

@@ -1,5 +1,6 @@
 """Registry overlay writes that fail leave the file whole; `fp8kit cache rm` with a cache path that is a file."""
 
+import json
 import subprocess
 import sys
 
@@ -67,3 +68,50 @@ def test_cache_rm_when_the_cache_path_is_a_file_is_one_line(tmp_path, monkeypatc
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and str(not_a_folder) in lines[0] and "FP8KIT_CACHE" in lines[0], result.stderr
     assert not_a_folder.read_text() == "something else\n"
+
+
+def test_overlay_that_is_not_utf8_is_one_line(tmp_path):
+    (tmp_path / "overlay.toml").write_bytes(b"# caf\xe9\n")
+    result = CliRunner().invoke(main, ["resolve", "Qwen/Qwen3-8B"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    assert str(tmp_path / "overlay.toml") in result.stderr and "UTF-8" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_cache_list_shows_a_damaged_marker_as_broken(tmp_path):
+    entry = tmp_path / "fp8cache" / "org--m" / "abc" / "dynamic-compressed-tensors-fp8kit0.1.0"
+    entry.mkdir(parents=True)
+    (entry / "fp8kit-entry.json").write_text("[1, 2]")  # JSON, but not the marker's object
+    result = CliRunner().invoke(main, ["cache", "list"])
+    assert result.exit_code == 0, result.output
+    assert "BROKEN" in result.stdout and str(entry) in result.stdout
+    listing = CliRunner().invoke(main, ["cache", "list", "--json"])
+    assert listing.exit_code == 0 and json.loads(listing.stdout)[0]["ok"] is False
+
+
+def test_cache_rm_by_the_listed_name_after_the_checkpoint_is_gone(tmp_path, llama_dir):
+    import shutil
+
+    from fp8kit.registry import ensure
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(llama_dir, ckpt)
+    entry = ensure(str(ckpt), "dynamic")
+    assert (tmp_path / "fp8cache" / "conversions.log").exists()
+    shutil.rmtree(ckpt)
+    result = CliRunner().invoke(main, ["cache", "rm", "conversions.log"])  # a file of the cache, not an entry
+    assert result.exit_code == 1 and "nothing cached for 'conversions.log'" in result.stderr
+    assert (tmp_path / "fp8cache" / "conversions.log").exists()
+    result = CliRunner().invoke(main, ["cache", "rm", str(ckpt)])
+    assert result.exit_code == 0, result.output
+    assert not entry.exists() and str(entry.parent.parent) in result.stdout
+
+
+def test_ensure_with_a_cache_path_that_is_a_file_is_one_line(tmp_path, llama_dir):
+    from fp8kit.errors import Fp8kitError
+    from fp8kit.registry import ensure
+
+    (tmp_path / "fp8cache").write_text("not a folder\n")
+    with pytest.raises(Fp8kitError) as e:
+        ensure(str(llama_dir), "dynamic")
+    assert str(tmp_path / "fp8cache") in str(e.value) and "nothing was converted" in str(e.value)

@@ -26,7 +26,14 @@ def source_terms(src: Path) -> dict:
         return {}
     from huggingface_hub import ModelCard
 
-    data = ModelCard(readme.read_text()).data.to_dict()
+    from fp8kit.errors import Fp8kitError
+
+    try:
+        data = ModelCard(readme.read_text()).data.to_dict()
+    except Exception as e:  # noqa: BLE001 - yaml's errors, a non-mapping header, UnicodeDecodeError
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise Fp8kitError(f"{readme}: its metadata header cannot be read ({first}); fix its YAML front matter "
+                          f"or move the README away") from e
     return {k: v for k, v in data.items() if k in COPIED_FIELDS or k.startswith("extra_gated")}
 
 

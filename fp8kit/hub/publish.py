@@ -76,6 +76,16 @@ def repo_id_for(template: str, org: str, base_model: str, scheme: str) -> str:
     return repo_id
 
 
+def _check_hub_name(repo_id: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise Fp8kitError(f"{repo_id}: the Hub refuses this repo name ({str(e).splitlines()[0]}); change --org, "
+                          f"--base-model or --repo-template") from e
+
+
 def _http_error(e: Exception, repo_id: str) -> Fp8kitError:
     status = getattr(getattr(e, "response", None), "status_code", None)
     reasons = {401: "the Hub rejected the token (401): log in again with `hf auth login` or set HF_TOKEN",
@@ -115,7 +125,7 @@ def _identical_on_hub(api, repo_id: str, staging: Path, remote_files: set[str]) 
     extra = [f for f in remote_files if f not in names and any(fnmatch(f, p) for p in WEIGHT_PATTERNS)]
     if extra:
         return False
-    remote = {info.path: info for info in api.get_paths_info(repo_id, names, expand=False)}
+    remote = {info.path: info for info in _with_retries(lambda: api.get_paths_info(repo_id, names, expand=False))}
     for name in names:
         info = remote.get(name)
         if info is None or not hasattr(info, "blob_id"):
@@ -191,6 +201,8 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     local = Path(src).expanduser().is_dir()
     if local and not base_model:
         raise Fp8kitError(f"{src}: a local SRC needs --base-model ORG/NAME (it names the source on the card)")
+    if not local and not source.REPO_ID.match(src):
+        raise Fp8kitError(f"{src}: no such folder, and not a Hub repo id ORG/NAME[@REVISION]")
     base_model = base_model or src.partition("@")[0]
     if not REPO_ID.match(base_model):
         raise Fp8kitError(f"--base-model {base_model!r}: expected a Hub repo id ORG/NAME")
@@ -198,6 +210,10 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         if scheme not in SCHEME_FORMAT:
             raise Fp8kitError(f"--scheme {scheme!r}: expected dynamic, block or tensor")
     check_repo_template(repo_template)
+    if not dry_run and not create_pr:  # a broken overlay found now, not after an upload it cannot register
+        from fp8kit.registry.catalog import load
+
+        load()
     api = None
     if not dry_run:  # the token is checked before any conversion work
         from huggingface_hub import HfApi, get_token
@@ -212,6 +228,8 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         org = org or user
     if not org:
         raise Fp8kitError("--dry-run without a token needs --org ORG to name the repos")
+    for scheme in schemes:  # names the Hub refuses, refused before converting (and in a dry run)
+        _check_hub_name(repo_id_for(repo_template, org, base_model, scheme))
     src_dir = source.resolve(src)
     terms = source_terms(src_dir)
     if command is None:  # from this call's own arguments, never from the host process's command line
@@ -259,10 +277,10 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
 def _upload(api, result: PublishResult, folder: Path, private: bool, create_pr: bool, force: bool) -> None:
     repo_id = result.repo_id
     try:
-        if api.repo_exists(repo_id):
+        if _with_retries(lambda: api.repo_exists(repo_id)):
             # A repo with content but no provenance file is someone else's work; an empty one (say, left by
             # an interrupted first upload of ours) has nothing to overwrite.
-            remote = set(api.list_repo_files(repo_id)) - {".gitattributes"}
+            remote = set(_with_retries(lambda: api.list_repo_files(repo_id))) - {".gitattributes"}
             if remote and PROVENANCE not in remote and not force:
                 raise Fp8kitError(f"{repo_id}: exists and was not made by fp8kit (no {PROVENANCE}); pass --force to "
                                   f"upload into it")
@@ -340,4 +358,7 @@ def read_plan(path: Path) -> dict:
                               f"{', '.join(sorted(PLAN_MODEL))}")
         for key in sorted(m):
             _check_plan_field(where, key, m[key])
+        if "base_model" not in m and Path(m["src"]).expanduser().is_dir():
+            raise Fp8kitError(f"{where}: src {m['src']!r} is a local folder; add base_model = \"ORG/NAME\" (it names "
+                              f"the source on the card)")
     return plan

@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -29,6 +30,16 @@ def cache_root() -> Path:
     if os.environ.get("FP8KIT_CACHE"):
         return Path(os.environ["FP8KIT_CACHE"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fp8kit"
+
+
+def _usable_root(consequence: str) -> Path:
+    """The cache root, refused in one line when it is a file."""
+    root = cache_root()
+    if root.exists() and not root.is_dir():
+        fix = ("set FP8KIT_CACHE to the cache folder, or unset it" if os.environ.get("FP8KIT_CACHE")
+               else "move that file away, or set FP8KIT_CACHE to a folder")
+        raise Fp8kitError(f"cache {root} is a file, not a folder: {fix}; {consequence}")
+    return root
 
 
 def model_dir(name: str) -> Path:
@@ -66,7 +77,10 @@ def known_commit(name: str) -> str | None:
         return _source_commit(path)
     from huggingface_hub import constants
 
-    ref = Path(constants.HF_HUB_CACHE) / f"models--{name.replace('/', '--')}" / "refs" / "main"
+    repo_id, _, revision = name.partition("@")
+    if re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    ref = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "refs" / (revision or "main")
     try:
         return ref.read_text().strip() or None
     except OSError:
@@ -99,6 +113,7 @@ def ensure(name: str, scheme: str = "auto") -> Path:
 
 def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -> Path:
     """Our conversion of `name` (Hub id or local directory), made once per source commit and reused."""
+    _usable_root("nothing was converted")
     src = source.resolve(name)
     entry = model_dir(name) / _source_commit(src) / entry_name(scheme, fmt)
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -130,29 +145,28 @@ def list_entries() -> list[dict]:
             info = json.loads(marker.read_text())
         except (OSError, ValueError):
             info = {}
+        if not isinstance(info, dict):
+            info = {}
         rows.append({"name": info.get("name"), "scheme": info.get("scheme"), "format": info.get("format"),
                      "commit": entry.parent.name, "path": str(entry), "bytes": size, "ok": verify(entry)})
     return rows
 
 
 def remove(name: str | None = None) -> list[Path]:
-    """Delete the cached conversions of `name` (all of them when None)."""
-    root = cache_root()
-    if root.exists() and not root.is_dir():
-        fix = ("set FP8KIT_CACHE to the cache folder, or unset it" if os.environ.get("FP8KIT_CACHE")
-               else "move that file away, or set FP8KIT_CACHE to a folder")
-        raise Fp8kitError(f"cache {root} is a file, not a folder: {fix}; nothing was removed")
+    """Delete the cached conversions of `name` (all of them when None). Only folders fp8kit made: ones that
+    hold a conversion marker or lock. A name also matches the entries whose marker records it, so a local
+    checkpoint that has since moved or been deleted can still be removed by the name `cache list` shows."""
+    root = _usable_root("nothing was removed")
+    ours = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink()
+            and (any(p.glob(f"*/*/{MARKER}")) or any(p.glob("*/*.lock")))] if root.exists() else []
     if name:
-        targets = [model_dir(name)]
-    else:  # only folders fp8kit made: ones that hold a conversion marker or lock
-        targets = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink()
-                   and (any(p.glob(f"*/*/{MARKER}")) or any(p.glob("*/*.lock")))] if root.exists() else []
-    removed = []
+        recorded = {Path(row["path"]).parent.parent for row in list_entries() if row["name"] == name}
+        targets = [p for p in ours if p == model_dir(name) or p in recorded]
+    else:
+        targets = ours
     for target in targets:
-        if target.is_symlink():
-            target.unlink()
-            removed.append(target)
-        elif target.exists():
-            shutil.rmtree(target)
-            removed.append(target)
-    return removed
+        shutil.rmtree(target)
+    if name and model_dir(name).is_symlink():  # a model folder linked from elsewhere: the link goes, not its target
+        model_dir(name).unlink()
+        targets.append(model_dir(name))
+    return targets

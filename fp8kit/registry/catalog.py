@@ -85,6 +85,8 @@ def read_file(path: Path, source: str) -> list[Variant]:
         text = path.read_text()
     except OSError as e:
         raise Fp8kitError(f"{path}: cannot read ({e.strerror})") from e
+    except UnicodeDecodeError as e:
+        raise Fp8kitError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8 TOML") from e
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
