@@ -251,6 +251,9 @@ def publish(src, base_model, schemes, repo_template, org, private, create_pr, ma
             kl = f"{r.metrics['kl']:.2e}" if r.metrics else "-"
             click.echo(f"{r.status:<10} {r.repo_id:<50} {r.scheme:<8} KL {kl:<9} {size * 1000:9.1f} MB  "
                        f"{r.url or r.staging or ''}{'  ' + r.error if r.error else ''}")
+            if r.kept_in_source_precision:
+                click.echo(f"    {len(r.kept_in_source_precision)} Linear layers kept in the source precision (the "
+                           f"scheme cannot take their shapes), e.g. {r.kept_in_source_precision[0]}")
             if r.status == "dry-run":
                 for name, n in r.files.items():
                     click.echo(f"    {name:<40} {n:>14,d} bytes")

@@ -202,3 +202,21 @@ def test_unreadable_source_card_is_one_line(tmp_path, src):
                                        "--dry-run", "--org", "me", "--staging", str(tmp_path / "staging")])
     line = one_line_error(result)
     assert str(src / "README.md") in line and "front matter" in line
+
+
+def test_block_card_names_the_layers_kept_in_source_precision(tmp_path):
+    """MLP width 320 is no multiple of 128: block FP8 keeps those layers; the card and the report say so."""
+    import torch
+
+    from fp8kit.models import build_checkpoint
+
+    src = build_checkpoint(tmp_path / "odd", "llama", torch.bfloat16, seed=2, intermediate_size=320)
+    result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/odd", "--scheme", "block",
+                                       "--scheme", "dynamic", "--dry-run", "--org", "me",
+                                       "--staging", str(tmp_path / "staging")])
+    assert result.exit_code == 0, result.output
+    block = (tmp_path / "staging" / "me--odd-FP8-Block" / "README.md").read_text()
+    assert "6 more Linear layers could not take this scheme" in block and "model.layers.0.mlp.down_proj" in block
+    assert "6 Linear layers kept in the source precision" in result.stdout
+    dynamic = (tmp_path / "staging" / "me--odd-FP8-Dynamic" / "README.md").read_text()
+    assert "could not take this scheme" not in dynamic

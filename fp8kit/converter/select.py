@@ -49,7 +49,7 @@ def check_not_quantized(tensors: dict[str, TensorInfo]) -> None:
                               f"quantized; convert the original BF16/FP16/FP32 checkpoint instead")
 
 
-def _is_candidate(module: str) -> bool:
+def is_candidate(module: str) -> bool:
     if not DECODER_BLOCK.search(module) or NOT_LANGUAGE.search(module):
         return False
     parts = DECODER_BLOCK.split(module)[-1].split(".")
@@ -90,14 +90,14 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
     for name in sorted(tensors, key=natural_key):
         info = tensors[name]
         module = name[: -len(".weight")] if name.endswith(".weight") else name
-        if len(info.shape) == 3 and _is_candidate(module) and not any(p.search(module) for p in patterns):
+        if len(info.shape) == 3 and is_candidate(module) and not any(p.search(module) for p in patterns):
             # Llama 4 and gpt-oss store experts fused as [experts, ...] (some without a .weight suffix)
             raise Fp8kitError(f"{info.path}: tensor {name!r} is a fused 3-D expert tensor {list(info.shape)}; "
                               f"fp8-convert quantizes per-expert 2-D weights only: save the checkpoint with "
                               f"per-expert tensors, or pass --ignore '{re.escape(module)}' to keep it as is")
         if not name.endswith(".weight") or len(info.shape) != 2:
             continue
-        if not _is_candidate(module) or info.numel == 0:
+        if not is_candidate(module) or info.numel == 0:
             if not any("embed" in p for p in module.split(".")) and module.split(".")[-1] not in ("wte", "wpe"):
                 sel.keep.append(module)
             continue

@@ -11,8 +11,9 @@ SCHEME_TEXT = {
     "dynamic": "**FP8-Dynamic**: float8_e4m3fn weights with one scale per output channel; activations are "
                "quantized to FP8 per token at run time. The fastest general-purpose FP8 layout on Ada, Hopper "
                "and Blackwell GPUs.",
-    "block": "**FP8-Block**: float8_e4m3fn weights with one scale per 128x128 block (the DeepSeek-V3 / Qwen3-FP8 "
-             "layout); activations are quantized per 1x128 group at run time.",
+    "block": "**FP8-Block**: float8_e4m3fn weights with one scale per 128x128 block (the blocks of DeepSeek-V3 and "
+             "Qwen3-FP8, stored in the compressed-tensors format); activations are quantized per 1x128 group at run "
+             "time.",
     "tensor": "**FP8 per-tensor**: float8_e4m3fn weights with one scale per tensor; activations are quantized "
               "per token at run time.",
 }
@@ -37,7 +38,26 @@ def source_terms(src: Path) -> dict:
     return {k: v for k, v in data.items() if k in COPIED_FIELDS or k.startswith("extra_gated")}
 
 
-def build_card(repo_id: str, base_model: str, scheme: str, fmt: str, metrics: dict, command: str, terms: dict):
+def kept_layers(conversion: Path) -> list[str]:
+    """Linear layers the conversion left in the source precision besides lm_head (its config's ignore list):
+    for block, every layer whose shape is not a multiple of 128."""
+    import json
+
+    from fp8kit.converter.select import is_candidate  # the decoder Linears a scheme quantizes (not routers)
+
+    qc = json.loads((conversion / "config.json").read_text()).get("quantization_config") or {}
+    return [name for name in qc.get("ignore") or [] if is_candidate(name)]
+
+
+def _kept_text(kept: list[str]) -> str:
+    if not kept:
+        return ""
+    return (f" {len(kept)} more Linear layer{'s' if len(kept) > 1 else ''} could not take this scheme and stay in the "
+            f"source precision too (`quantization_config.ignore`), e.g. `{kept[0]}`.")
+
+
+def build_card(repo_id: str, base_model: str, scheme: str, fmt: str, metrics: dict, command: str, terms: dict,
+               kept: list[str] = ()):
     from huggingface_hub import ModelCard, ModelCardData
 
     from fp8kit import __version__
@@ -50,7 +70,7 @@ def build_card(repo_id: str, base_model: str, scheme: str, fmt: str, metrics: di
 
 FP8 weights of [{base_model}](https://huggingface.co/{base_model}), made with fp8kit {__version__}.
 
-{SCHEME_TEXT[scheme]} Format: `{fmt}`. Embeddings, `lm_head`, norms and MoE routers stay in the source precision.
+{SCHEME_TEXT[scheme]} Format: `{fmt}`. Embeddings, `lm_head`, norms and MoE routers stay in the source precision.{_kept_text(list(kept))}
 
 ## Validation
 

@@ -35,6 +35,7 @@ class PublishResult:
     staging: str | None = None
     url: str | None = None
     error: str | None = None
+    kept_in_source_precision: list = field(default_factory=list)  # Linear layers the scheme could not take
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -192,7 +193,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
             staging: str | Path | None = None, force: bool = False, command: str | None = None) -> list[PublishResult]:
     from fp8kit import __version__
     from fp8kit.converter import source
-    from fp8kit.hub.card import build_card, source_terms
+    from fp8kit.hub.card import build_card, kept_layers, source_terms
     from fp8kit.hub.validate import validate
     from fp8kit.registry.cache import cached_conversion
 
@@ -248,12 +249,14 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
             try:
                 conversion = cached_conversion(str(src_dir) if local else src, scheme, fmt)
                 metrics = validate(src_dir, conversion)
-                card = build_card(repo_id, base_model, scheme, fmt, metrics, command, terms)
+                kept = kept_layers(conversion)
+                card = build_card(repo_id, base_model, scheme, fmt, metrics, command, terms, kept)
                 provenance = {"tool": "fp8kit", "version": __version__, "base_model": base_model, "scheme": scheme,
                               "format": fmt, "validation": metrics}
                 folder = staging_root / repo_id.replace("/", "--")
                 files = _stage(conversion, folder, card, provenance)
-                result = PublishResult(repo_id, scheme, "dry-run", metrics, files, str(folder))
+                result = PublishResult(repo_id, scheme, "dry-run", metrics, files, str(folder),
+                                       kept_in_source_precision=kept)
                 if max_kl is not None and not metrics["kl"] <= max_kl:  # a NaN KL is rejected too
                     result.status, result.error = "rejected", f"KL {metrics['kl']:.3e} is over --max-kl {max_kl:g}"
                 elif not dry_run:
