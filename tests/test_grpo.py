@@ -159,11 +159,19 @@ def test_each_loss_trains_a_step(tiny_fp8, loss_type, beta, dtype):
     assert changed
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
 def test_gradient_accumulation_matches_one_batch(tiny_fp8, loss_type):
-    """Uneven micro-batches (8 rows in 3) weigh rows and tokens as the whole batch does."""
-    norms = []
-    for accumulation in (1, 3):
+    """Uneven micro-batches (8 rows in 3, or one row each) of completions of uneven lengths (one empty) weigh rows
+    and tokens as the whole batch does, in the gradient and in the logged token means."""
+    from fp8kit.rl.rollout import Completion, HFRollout
+
+    class Uneven(HFRollout):
+        def generate(self, *args, **kwargs):
+            out = super().generate(*args, **kwargs)
+            return [Completion(c.token_ids[:n], c.logprobs[:n]) for c, n in zip(out, [6, 1, 4, 0, 3, 6, 2, 5])]
+
+    norms, logged = [], []
+    for accumulation in (1, 3, 8):
         torch.manual_seed(0)  # the same lora_A initialisation in both runs
         model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
         with torch.no_grad():
@@ -174,9 +182,45 @@ def test_gradient_accumulation_matches_one_batch(tiny_fp8, loss_type):
             return [len(c) / 40 for c in completions]
 
         config = GRPOConfig(steps=1, prompts_per_step=2, num_generations=4, max_completion_length=6, seed=5,
-                            loss_type=loss_type, gradient_accumulation_steps=accumulation, gradient_checkpointing=False)
-        norms.append(train(model, tok, ["the quick", "lazy dog"], [length_reward], config)[0]["grad_norm"])
-    assert norms[0] > 0 and norms[1] == pytest.approx(norms[0], rel=1e-4), norms
+                            loss_type=loss_type, gradient_accumulation_steps=accumulation, gradient_checkpointing=False,
+                            beta=0.04)
+        step = train(model, tok, ["the quick", "lazy dog"], [length_reward], config, rollout=Uneven(model, tok))[0]
+        norms.append(step["grad_norm"])
+        logged.append(step)
+    assert norms[0] > 0 and logged[0]["kl"] > 0
+    for other in (1, 2):
+        assert norms[other] == pytest.approx(norms[0], rel=1e-4), norms
+        assert logged[other]["kl"] == pytest.approx(logged[0]["kl"], rel=1e-4)
+        assert logged[other]["is_weight_mean"] == pytest.approx(logged[0]["is_weight_mean"], rel=1e-6)
+        assert logged[other]["mismatch_kl"] == pytest.approx(logged[0]["mismatch_kl"], abs=1e-9)
+        assert logged[other]["clip_ratio"] == pytest.approx(logged[0]["clip_ratio"], abs=1e-9)
+
+
+def test_dropout_is_off_while_training_and_restored(tiny_fp8):
+    """The rollout samples without dropout; scored with it, the importance weights would measure dropout noise."""
+    from fp8kit.rl.loader import load_fp8_model
+
+    _, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+
+    model = load_fp8_model(tiny_fp8, torch.float32, lora_rank=4, lora_dropout=0.3)
+    with torch.no_grad():
+        for i, m in enumerate(lora_modules(model).values()):
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=torch.Generator().manual_seed(i)) * 0.3)
+    config = GRPOConfig(steps=1, prompts_per_step=2, num_generations=4, max_completion_length=6,
+                        gradient_checkpointing=False)
+    step = train(model, tok, ["the quick", "lazy dog"], [lambda completions, **_: [len(c) / 40 for c in completions]],
+                 config)[0]
+    assert step["mismatch_kl"] < 1e-5 and step["is_weight_mean"] == pytest.approx(1.0, abs=1e-3), step
+    assert {m.lora_dropout.p for m in lora_modules(model).values()} == {0.3}
+
+
+@pytest.mark.parametrize("field,value", [("gradient_accumulation_steps", 0), ("prompts_per_step", 0),
+                                         ("max_completion_length", 0), ("temperature", 0.0), ("top_p", 1.5),
+                                         ("importance_sampling_cap", 0.0), ("steps", 2.5), ("learning_rate", -1e-5)])
+def test_config_values_that_would_fail_after_a_rollout_are_refused(field, value):
+    with pytest.raises(Fp8kitError) as e:
+        GRPOConfig(**{field: value})
+    assert str(e.value).startswith(f"{field}={value!r}")
 
 
 def test_learning_rate_schedules():
@@ -250,3 +294,42 @@ def test_rollout_engine_keeps_precision_casts_for_fp8_checkpoints(tmp_path, llam
         "compilation_config": {}, "max_num_batched_tokens": 16384}
     assert rollout_engine_kwargs(bf16_qc, {"max_num_seqs": 4096})["max_num_batched_tokens"] == 4096
     assert "max_num_batched_tokens" not in rollout_engine_kwargs(bf16_qc, {"enable_chunked_prefill": False})
+
+
+def test_transformers_rollout_stops_at_every_eos_of_the_generation_config(tiny_fp8, tmp_path):
+    """vLLM stops at each eos_token_id of generation_config.json (Gemma 3's <end_of_turn>, Llama 3's <|eot_id|>),
+    not only at the tokenizer's EOS; the CPU engine must sample the same completions."""
+    import shutil
+
+    from fp8kit.rl.rollout import HFRollout
+
+    ckpt = tmp_path / "two-eos"
+    shutil.copytree(tiny_fp8, ckpt)
+    gen = json.loads((ckpt / "generation_config.json").read_text())
+    _, tok = load_model(str(ckpt), lora_rank=4, dtype=torch.float32, device="cpu")
+    stop = 5
+    assert stop != tok.eos_token_id
+    (ckpt / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [tok.eos_token_id, stop]}))
+    model, tok = load_model(str(ckpt), lora_rank=4, dtype=torch.float32, device="cpu")
+    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    with torch.no_grad():  # the extra stop token made likely, so that completions reach it early
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[stop] = 6.0
+    model.lm_head = head
+    completions = HFRollout(model, tok).generate([tok("the quick")["input_ids"]], 4, 12, seed=0)
+    assert all(len(c.token_ids) == len(c.logprobs) for c in completions)
+    ended = [c for c in completions if stop in c.token_ids]
+    assert ended and all(c.token_ids.index(stop) == len(c.token_ids) - 1 for c in ended)
+    assert any(len(c.token_ids) < 12 for c in ended)
+
+
+def test_unreadable_generation_config_is_one_line(tiny_fp8, tmp_path):
+    import shutil
+
+    ckpt = tmp_path / "bad-gen"
+    shutil.copytree(tiny_fp8, ckpt)
+    (ckpt / "generation_config.json").write_text("{not json")
+    with pytest.raises(Fp8kitError) as e:
+        load_model(str(ckpt), lora_rank=4, dtype=torch.float32, device="cpu")
+    assert str(ckpt / "generation_config.json") in str(e.value) and "\n" not in str(e.value)

@@ -204,7 +204,7 @@ def test_save_adapter_keeps_unrelated_files_and_round_trips(fp8_dir, llama_dir, 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("safetensors.torch.save_file", disk_full)
+    monkeypatch.setattr("fp8kit.converter.safetensors_io.save_small", disk_full)
     with pytest.raises(Fp8kitError) as e:
         save_adapter(_model(fp8_dir, seed=5), work)
     _one_line(e, str(work), "No space left on device", "free disk space")
@@ -287,3 +287,32 @@ def test_save_interrupted_between_its_two_files_is_refused_on_load(fp8_dir, tmp_
     save_adapter(newer, work)  # a whole save loads again
     load_adapter(model, work)
     assert {m.scaling for m in lora_modules(model).values()} == {4.0}
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(target_modules=["qproj"]), "target_modules 'qproj' matches no quantized Linear"),
+    (dict(target_modules=["lm_head"]), "target_modules 'lm_head' matches no quantized Linear"),  # not quantized
+    (dict(target_modules=["self_attn.q_proj"]), "'self_attn.q_proj' is not a leaf name"),
+    (dict(target_modules=[]), "target_modules=[]"),
+    (dict(lora_rank=-1), "lora_rank=-1"),
+    (dict(lora_rank=2.5), "lora_rank=2.5"),
+    (dict(lora_alpha="16"), "lora_alpha='16'"),
+    (dict(lora_dropout=1.5), "lora_dropout=1.5"),
+], ids=["typo", "unquantized", "dotted", "empty", "rank-negative", "rank-float", "alpha-string", "dropout"])
+def test_lora_arguments_are_checked_in_one_line(fp8_dir, kwargs, needle):
+    """Each once gave a torch traceback, or (target_modules) a model with no LoRA at all."""
+    with pytest.raises(Fp8kitError) as e:
+        load_fp8_model(fp8_dir, dtype=torch.float32, **kwargs)
+    _one_line(e, needle)
+
+
+def test_target_modules_as_one_string_means_that_module(fp8_dir):
+    model = load_fp8_model(fp8_dir, dtype=torch.float32, lora_rank=4, target_modules="q_proj")
+    assert lora_modules(model) and {n.rsplit(".", 1)[-1] for n in lora_modules(model)} == {"q_proj"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cuda_device_without_a_gpu_is_one_line(fp8_dir):
+    with pytest.raises(Fp8kitError) as e:
+        load_fp8_model(fp8_dir, dtype=torch.float32, device="cuda")
+    _one_line(e, "device='cuda'", "no CUDA GPU")

@@ -154,12 +154,13 @@ class OutTensor:
         return n
 
 
-def layout(tensors: list[OutTensor]) -> bytes:
+def layout(tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> bytes:
     """Assign data offsets (widest dtype first, as safetensors does, so every tensor is aligned)
-    and return the full header, padded with spaces to 8 bytes."""
+    and return the full header, padded with spaces to 8 bytes. The metadata keys are sorted: the same
+    tensors give the same bytes (safetensors' own writer orders metadata as a hash map, differently per run)."""
     order = sorted(tensors, key=lambda t: (-ITEMSIZE[t.dtype], t.name))
     offset = 0
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, object] = {"__metadata__": dict(sorted({"format": "pt", **(metadata or {})}.items()))}
     for t in order:
         t.offset = offset
         header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
@@ -167,6 +168,17 @@ def layout(tensors: list[OutTensor]) -> bytes:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
+
+
+def save_small(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Small tensors (an adapter) written whole into `path`, byte for byte reproducible."""
+    names = {v: k for k, v in DTYPES.items()}
+    outs = [OutTensor(name, names[t.dtype], tuple(t.shape)) for name, t in tensors.items()]
+    header = layout(outs, metadata)
+    with open(path, "wb") as f:
+        f.write(header)
+        for out in sorted(outs, key=lambda o: o.offset):
+            f.write(tensors[out.name].detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def write_all(fd: int, data, offset: int) -> None:

@@ -54,6 +54,9 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     gradient_accumulation_steps: int = 1  # micro-batches per step
     gradient_checkpointing: bool = True  # recompute each decoder layer in backward: activations dominate memory
+    # dropout off while training (LoRA's and the model's): the rollout sampled without it, so with it the ratios,
+    # importance weights and mismatch KL would measure dropout noise instead of the policy and the engine
+    disable_dropout: bool = True
     seed: int = 0
     output_dir: str | None = None
     save_steps: int = 0  # write output_dir/checkpoint-<step> every so many steps (0: never)
@@ -66,6 +69,17 @@ class GRPOConfig:
             raise Fp8kitError(f"lr_scheduler {self.lr_scheduler!r}: expected one of {', '.join(SCHEDULES)}")
         if self.num_generations < 2:
             raise Fp8kitError("num_generations must be at least 2: advantages are relative to the group")
+        # each of these otherwise fails only after a whole rollout, as a torch or transformers traceback
+        for name in ("steps", "prompts_per_step", "gradient_accumulation_steps", "max_completion_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise Fp8kitError(f"{name}={value!r}: expected an integer >= 1")
+        for name in ("temperature", "importance_sampling_cap", "max_grad_norm", "learning_rate"):
+            value, zero_ok = getattr(self, name), name == "learning_rate"
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not zero_ok):
+                raise Fp8kitError(f"{name}={value!r}: expected a number {'>= 0' if zero_ok else '> 0'}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise Fp8kitError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
         if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
             raise Fp8kitError("reward_weights: expected a list of numbers, one per reward function")
         if self.save_steps and not self.output_dir:
@@ -228,6 +242,18 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device = params[0].device
+    dropouts = [(m, m.p) for m in model.modules() if isinstance(m, nn.Dropout) and m.p] if config.disable_dropout else []
+    for m, _ in dropouts:
+        m.p = 0.0
+    try:
+        return _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, masters, trainable, start, on_step)
+    finally:
+        for m, p in dropouts:
+            m.p = p
+
+
+def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, masters, trainable, start, on_step):
+    device = next(iter(trainable.values())).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     n = config.num_generations
     history = []
@@ -276,11 +302,15 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
                      else len(idx) / len(completions))
             (out.loss * share).backward()
             stats["loss"] += out.loss.item() * share
-            stats["kl"] += out.kl * share
-            stats["clip_ratio"] += out.clip_ratio * share
-            stats["mismatch_kl"] += mismatch_kl(logp.detach(), rollout_logp, mask).item() * share
+            # the logged token means are the batch's whatever the loss's weighting and the micro-batching (gspo's
+            # clip ratio counts sequences)
+            tokens = mask.sum().item() / total_tokens
+            rows_share = int((mask.sum(-1) > 0).sum().item()) / max(1, int((batch["mask"].sum(-1) > 0).sum().item()))
+            stats["kl"] += out.kl * tokens
+            stats["clip_ratio"] += out.clip_ratio * (rows_share if config.loss_type == "gspo" else tokens)
+            stats["mismatch_kl"] += mismatch_kl(logp.detach(), rollout_logp, mask).item() * tokens
             if is_weights is not None:
-                stats["is_weight_mean"] += ((is_weights * mask).sum() / mask.sum().clamp_min(1)).item() * share
+                stats["is_weight_mean"] += ((is_weights * mask).sum() / mask.sum().clamp_min(1)).item() * tokens
         for name, p in trainable.items():
             if masters[name] is not p:
                 masters[name].grad = None if p.grad is None else p.grad.float()

@@ -106,6 +106,30 @@ def _read_tensor(file: Path, key: str, device: str) -> torch.Tensor:
         raise Fp8kitError(f"{file}: cannot read tensor {key!r} ({_one_line(e)}); {RECONVERT}") from e
 
 
+def lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout=0.0, device=None) -> set[str]:
+    """The LoRA arguments checked before anything is loaded or converted (each mistake otherwise surfaces as a
+    torch error, or as a model without LoRA); the target leaf names as a set."""
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+        raise Fp8kitError(f"lora_rank={lora_rank!r}: expected an integer >= 0 (0: no LoRA)")
+    if lora_alpha is not None and (isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float))):
+        raise Fp8kitError(f"lora_alpha={lora_alpha!r}: expected a number, or None for alpha = rank")
+    if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
+        raise Fp8kitError(f"lora_dropout={lora_dropout!r}: expected a probability in [0, 1)")
+    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise Fp8kitError(f"device={str(device)!r}: no CUDA GPU is visible here; use device='cpu'")
+    if target_modules is None:
+        return set(DEFAULT_TARGETS)
+    names = [target_modules] if isinstance(target_modules, str) else target_modules
+    if not isinstance(names, (list, tuple, set)) or not names:
+        raise Fp8kitError(f"target_modules={target_modules!r}: expected a list of Linear leaf names such as "
+                          f"['q_proj', 'v_proj'], or None for every projection")
+    for name in names:
+        if not isinstance(name, str) or not name or "." in name:
+            raise Fp8kitError(f"target_modules: {name!r} is not a leaf name; name Linears by their last part, such "
+                              f"as 'q_proj' (vLLM's LoRA matches the same names)")
+    return set(names)
+
+
 def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str | None, dtype: torch.dtype,
              lora_rank: int, lora_alpha: float | None, targets: set[str], lora_dropout: float,
              backend: str | None, where: str) -> nn.Module:
@@ -119,11 +143,20 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
     scale_suffix = next((s for s in ("weight_scale_inv", "weight_scale") if any(k.endswith("." + s) for k in tensors)),
                         None) if scheme else None
     if scheme:
-        lora_linears = {k[: -len(".weight")] for k in tensors if k.endswith(".weight")
-                        and k[: -len("weight")] + str(scale_suffix) in tensors}
+        candidates = {k[: -len(".weight")] for k in tensors if k.endswith(".weight")
+                      and k[: -len("weight")] + str(scale_suffix) in tensors}
     else:
-        lora_linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1]
-                        in targets and n + ".weight" in tensors}
+        candidates = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n + ".weight" in tensors}
+    leaves = {n.rsplit(".", 1)[-1] for n in candidates}
+    if lora_rank:
+        # every target named by the caller must exist; of the defaults, at least one (architectures differ)
+        unmatched = sorted(targets - leaves) if targets != set(DEFAULT_TARGETS) else []
+        if unmatched or not targets & leaves:
+            kind = "quantized Linear" if scheme else "Linear"
+            raise Fp8kitError(f"{where}: target_modules {(unmatched or sorted(targets))[0]!r} matches no {kind} of the "
+                              f"model; its {kind}s are {', '.join(sorted(leaves))}")
+    # FP8: every quantized Linear becomes an FP8 layer (LoRA only on targets); BF16: only the targets change
+    lora_linears = candidates if scheme else {n for n in candidates if n.rsplit(".", 1)[-1] in targets}
     for name in sorted(lora_linears):
         try:
             module = model.get_submodule(name)
@@ -195,6 +228,7 @@ def load_fp8_model(path_or_name: str | Path, dtype: torch.dtype = torch.bfloat16
     """Returns the transformers causal LM with FP8 base weights and LoRA on `target_modules` (leaf names;
     default every projection). A name goes through the registry (an FP8 upload, or a cached conversion)."""
     _check_dtype(dtype)
+    lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout, device)
     path = Path(path_or_name).expanduser()
     if not path.is_dir():
         from fp8kit.registry import ensure
@@ -211,6 +245,7 @@ def load_lora_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, lora_
                     lora_dropout: float = 0.0, device: str | torch.device = "cpu"):
     """The full-precision baseline: the checkpoint's weights in `dtype`, LoRA on `target_modules`."""
     _check_dtype(dtype)
+    lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout, device)
     path = Path(path).expanduser()
     config, scheme = read_config(path)
     if scheme is not None:
@@ -226,7 +261,15 @@ def _check_dtype(dtype: torch.dtype) -> None:
 def _load(path, config, scheme, dtype, lora_rank, lora_alpha, target_modules, lora_dropout, device, backend):
     device = torch.device(device)
     model = assemble(config, _checkpoint_tensors(path, device), scheme, dtype, lora_rank, lora_alpha,
-                     set(target_modules or DEFAULT_TARGETS), lora_dropout, backend, str(path))
+                     lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout), lora_dropout, backend,
+                     str(path))
+    if (path / "generation_config.json").exists():  # its stop tokens, as vLLM reads them (from_config skips it)
+        from transformers import GenerationConfig
+
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - JSON and validation errors of several kinds
+            raise Fp8kitError(f"{path / 'generation_config.json'}: unreadable ({_one_line(e)}); fix or remove it") from e
     return model.to(device)
 
 
@@ -319,23 +362,20 @@ def _adapter_payload(model: nn.Module, base_model_name_or_path: str) -> tuple[di
 def _write_adapter_files(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
     """Both files written to temporary names in `folder`, flushed, then renamed over the old ones: a reader
     sees the previous file or the new one, never a part; no temporary file survives a failure."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
+    from fp8kit.converter.safetensors_io import save_small
 
     weights, config_file = folder / ADAPTER_WEIGHTS, folder / ADAPTER_CONFIG
     temps: list[Path] = []
     try:
         tmp_weights = _new_temp_beside(weights, temps)
-        mode = tmp_weights.stat().st_mode
-        save_file(tensors, tmp_weights, metadata=_scaling_stamp(config))
-        os.chmod(tmp_weights, mode)  # safetensors writes through a private 0600 file of its own
+        save_small(tensors, tmp_weights, _scaling_stamp(config))
         tmp_config = _new_temp_beside(config_file, temps)
         tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for tmp in temps:
             _fsync(tmp)
         os.replace(tmp_weights, weights)
         os.replace(tmp_config, config_file)
-    except (OSError, SafetensorError) as e:
+    except OSError as e:
         raise Fp8kitError(f"{folder}: cannot write the adapter ({_one_line(e)}); free disk space or choose another "
                           f"adapter directory") from e
     finally:

@@ -48,12 +48,16 @@ class HFRollout:
     def __init__(self, model: nn.Module, tokenizer):
         self.model = model
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.eos_id = tokenizer.eos_token_id
+        # vLLM stops at the tokenizer's EOS and at every eos_token_id of the checkpoint's generation_config.json
+        # (Gemma 3's <end_of_turn>, Llama 3 Instruct's <|eot_id|>); sampling the same way needs the same stops
+        listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+        self.eos_ids = sorted({i for i in [tokenizer.eos_token_id, *listed] if i is not None})
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int = 0) -> list[Completion]:
-        """n completions per prompt, prompt-major; each stops after EOS (kept) or at max_tokens."""
+        """n completions per prompt, prompt-major; each stops after an EOS token (kept) or at max_tokens."""
         from transformers import GenerationConfig, LogitsProcessorList
 
         device = next(self.model.parameters()).device
@@ -66,7 +70,7 @@ class HFRollout:
             mask[i, width - len(p):] = 1
         torch.manual_seed(seed)
         config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                                  max_new_tokens=max_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id)
+                                  max_new_tokens=max_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
         recorder = _SampledTokenLogprobs(temperature)
         was_training, saved = self.model.training, self.model.generation_config
         # generate fills what `config` leaves unset from model.generation_config (transformers 5.17
@@ -84,8 +88,9 @@ class HFRollout:
         recorder.take(new[:, -1])
         logps = torch.stack(recorder.values, dim=1)[:, : new.shape[1]]
         completions = []
+        stops = set(self.eos_ids)
         for row, lp in zip(new.tolist(), logps.tolist()):
-            end = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
+            end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
             completions.append(Completion(row[:end], lp[:end]))
         return completions
 
