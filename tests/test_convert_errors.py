@@ -403,3 +403,44 @@ def test_failed_conversion_removes_the_folders_it_made(src, tmp_path):
     out = tmp_path / "kept" / "made" / "out"
     assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "NaN")
     assert (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / "made").exists()
+
+
+def test_tensor_static_refuses_what_the_streaming_schemes_refuse(src, tmp_path):
+    """It loads the model whole through transformers, where one NaN became NaN scales and weights, exit 0."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.self_attn.o_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "tensor-static"), out, "model.layers.1.self_attn.o_proj.weight",
+                         "NaN")
+    # GPT-2's Conv1D layers, which llm-compressor's Linear targets skip: it printed "8 weights in FP8" for none
+    (tmp_path / "g").mkdir()
+    gpt2 = raw_checkpoint(tmp_path / "g", {"h.0.attn.c_attn.weight": {"dtype": "BF16", "shape": [2, 2],
+                                                                       "data_offsets": [0, 8]}}, b"\0" * 8, "gpt2")
+    assert_clean_failure(*run_cli(gpt2, out, "--scheme", "tensor-static"), out, "Conv1D")
+
+
+def test_three_dimensional_tensors_that_are_not_experts_are_kept(src, tmp_path):
+    """Mamba's depthwise conv1d [channels, 1, kernel] (Granite 4.0-h, Jamba, Bamba) is copied as it is."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(src / "model.safetensors")
+    conv = torch.randn(544, 1, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    tensors["model.layers.0.mamba.conv1d.weight"] = conv
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    code, err = run_cli(src, out, "--scheme", "dynamic")
+    assert code == 0, err
+    assert torch.equal(load_file(out / "model.safetensors")["model.layers.0.mamba.conv1d.weight"], conv)
+
+
+def test_deeply_nested_header_is_one_line(tmp_path):
+    raw = b"[" * 100_000 + b"]" * 100_000
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (src / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "model.safetensors", "corrupt")

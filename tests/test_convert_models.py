@@ -156,6 +156,16 @@ def test_lm_head_in_fp8(llama_dir, tmp_path, scheme):
 def test_lm_head_needs_an_untied_head(tmp_path):
     src = build_checkpoint(tmp_path / "src", "qwen3", torch.bfloat16, seed=3)  # tie_word_embeddings=True
     assert "lm_head.weight" not in tensors(src)
-    with pytest.raises(Fp8kitError, match="no lm_head.weight"):
+    with pytest.raises(Fp8kitError, match="ties the output head"):
+        convert(src, tmp_path / "out", scheme="dynamic", lm_head=True)
+    assert not (tmp_path / "out").exists()
+    # some exports store lm_head.weight although the config ties it: transformers re-ties it on loading (an FP8
+    # head then fails there) and vLLM skips it, so it is refused too
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(src / "model.safetensors")
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(Fp8kitError, match="ties the output head"):
         convert(src, tmp_path / "out", scheme="dynamic", lm_head=True)
     assert not (tmp_path / "out").exists()

@@ -43,3 +43,59 @@ def test_repo_missing_from_offline_cache(hf_cache, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "fp8kit-test/absent-model" in lines[0] and "HF_HUB_OFFLINE" in lines[0], proc.stderr
     assert not out.exists()
+
+
+def test_sharded_repo_as_the_hf_cache_stores_it(tmp_path, llama_dir):
+    """Snapshot files are symlinks into ../../blobs: the shards an index names are still the checkpoint's own."""
+    import hashlib
+
+    from fp8kit.models import build_checkpoint
+
+    sharded = build_checkpoint(tmp_path / "sharded", "llama", seed=4, max_shard_size="200KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    repo = tmp_path / "hub" / "models--fp8kit-test--sharded"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / COMMIT).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    for f in sharded.iterdir():
+        blob = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, repo / "blobs" / blob)
+        (repo / "snapshots" / COMMIT / f.name).symlink_to(f"../../blobs/{blob}")
+    proc = cli(tmp_path / "hub", "fp8kit-test/sharded", tmp_path / "out", "--scheme", "dynamic")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "config.json").exists()
+
+
+@pytest.mark.parametrize("name", ["org/bar.git", "org/a--b", "org/" + "a" * 100])
+def test_repo_ids_the_hub_refuses_are_one_line(tmp_path, name):
+    proc = cli(tmp_path / "hub", name, tmp_path / "out", "--scheme", "dynamic")
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "not a valid Hub repo id" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_dropped_connection_is_one_line(tmp_path):
+    """huggingface_hub 1.x raises httpx errors, which are not OSErrors."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+
+    def drop():
+        while True:
+            conn, _ = server.accept()
+            conn.recv(65536)
+            conn.close()
+
+    threading.Thread(target=drop, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{server.getsockname()[1]}", HF_HUB_CACHE=str(tmp_path / "hub"),
+               HF_HUB_ETAG_TIMEOUT="3", HF_HUB_DOWNLOAD_TIMEOUT="3")
+    code = "from fp8kit.cli import fp8_convert; fp8_convert()"
+    proc = subprocess.run([sys.executable, "-c", code, "someorg/somemodel", str(tmp_path / "out"), "--scheme",
+                           "dynamic"], env=env, capture_output=True, text=True, timeout=120)
+    server.close()
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "someorg/somemodel: download failed" in proc.stderr and not (tmp_path / "out").exists()

@@ -17,7 +17,7 @@ from fp8kit.converter.calibration import calibration_samples, kv_cache_scheme
 from fp8kit.converter.formats import ignore_list
 from fp8kit.converter.output import atomic_directory, check_out
 from fp8kit.converter.schemes import SCHEMES
-from fp8kit.converter.select import check_not_quantized, select
+from fp8kit.converter.select import select
 from fp8kit.errors import Fp8kitError
 
 
@@ -29,7 +29,8 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     visible (llmcompressor.utils.dev.get_main_device), so "cpu" is refused on a machine with one."""
     import torch
 
-    from fp8kit.converter.streaming import ConvertReport, parse_size, peak_rss_bytes, resolve_device
+    from fp8kit.converter.streaming import (ConvertReport, check_all_finite, parse_size, peak_rss_bytes, read_source,
+                                            resolve_device)
 
     start = time.perf_counter()
     dev = resolve_device(device)
@@ -41,10 +42,9 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     out = check_out(out, overwrite)
     src_path = source.resolve(src).resolve()
     check_out(out, overwrite, src_path)
-    source.load_config(src_path)
-    tensors = source.read_tensors(src_path)
-    check_not_quantized(tensors)
+    _, tensors = read_source(src_path)
     sel = select(tensors, SCHEMES["tensor"], list(ignore))
+    check_all_finite(tensors)
 
     from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM

@@ -73,8 +73,8 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         raise Fp8kitError(f"{path}: cannot read ({e.strerror}); check the path and permissions") from e
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise Fp8kitError(f"{path}: corrupt safetensors header ({e}); re-download the file") from e
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: [[[...]]] nested deep
+        raise Fp8kitError(f"{path}: corrupt safetensors header ({type(e).__name__}); re-download the file") from e
     if not isinstance(header, dict):
         raise Fp8kitError(f"{path}: corrupt safetensors header; re-download the file")
     metadata = header.pop("__metadata__", None) or {}

@@ -70,7 +70,10 @@ def _check_source_dtype(info: TensorInfo) -> None:
                           f"and BF16 weights: save the checkpoint in one of those")
 
 
-def _lm_head(tensors: dict[str, TensorInfo], scheme: Scheme) -> str:
+def _lm_head(tensors: dict[str, TensorInfo], scheme: Scheme, tied: bool) -> str:
+    if tied:  # transformers re-ties a stored lm_head.weight to the embeddings, and vLLM skips it when tied
+        raise Fp8kitError("--lm-head: config.json ties the output head to the embeddings (tie_word_embeddings is "
+                          "true or unset); an FP8 lm_head needs an untied one: leave --lm-head out")
     info = tensors.get("lm_head.weight")
     if info is None:
         raise Fp8kitError("--lm-head: the checkpoint has no lm_head.weight (its lm_head is tied to embed_tokens, "
@@ -82,7 +85,8 @@ def _lm_head(tensors: dict[str, TensorInfo], scheme: Scheme) -> str:
     return "lm_head"
 
 
-def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm_head: bool = False) -> Selection:
+def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm_head: bool = False,
+           tied: bool = False) -> Selection:
     patterns = [re.compile(p[3:] if p.startswith("re:") else p) for p in ignore]
     sel = Selection()
     wanted: dict[str, bool] = {}
@@ -90,11 +94,14 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
     for name in sorted(tensors, key=natural_key):
         info = tensors[name]
         module = name[: -len(".weight")] if name.endswith(".weight") else name
-        if len(info.shape) == 3 and is_candidate(module) and not any(p.search(module) for p in patterns):
-            # Llama 4 and gpt-oss store experts fused as [experts, ...] (some without a .weight suffix)
+        if (len(info.shape) == 3 and "expert" in module and is_candidate(module)
+                and not any(p.search(module) for p in patterns)):
+            # Llama 4 and gpt-oss store experts fused as [experts, ...] (some without a .weight suffix); other 3-D
+            # tensors (Mamba's depthwise conv1d) are kept as they are, as every tensor that is not 2-D
+            every_layer = re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(module))
             raise Fp8kitError(f"{info.path}: tensor {name!r} is a fused 3-D expert tensor {list(info.shape)}; "
                               f"fp8-convert quantizes per-expert 2-D weights only: save the checkpoint with "
-                              f"per-expert tensors, or pass --ignore '{re.escape(module)}' to keep it as is")
+                              f"per-expert tensors, or pass --ignore '{every_layer}' to keep them as they are")
         if not name.endswith(".weight") or len(info.shape) != 2:
             continue
         if not is_candidate(module) or info.numel == 0:
@@ -134,7 +141,7 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
     if lm_head:
         if any(p.search("lm_head") for p in patterns):
             raise Fp8kitError("--lm-head and an --ignore pattern matching lm_head contradict each other; drop one")
-        sel.quantize.append(_lm_head(tensors, scheme))
+        sel.quantize.append(_lm_head(tensors, scheme, tied))
         sel.keep.remove("lm_head")
     if not sel.quantize:
         raise Fp8kitError("no weights to quantize: no 2-D Linear weights inside decoder layers "

@@ -30,6 +30,7 @@ def resolve(src: str | Path) -> Path:
         raise Fp8kitError(f"{src}: no such directory, and not a Hub repo id of the form org/name[@revision]")
     repo_id, _, revision = text.partition("@")
     from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
 
@@ -47,8 +48,19 @@ def resolve(src: str | Path) -> Path:
     except LocalEntryNotFoundError as e:
         raise Fp8kitError(f"{repo_id}: not in the local HF cache and the Hub cannot be reached (HF_HUB_OFFLINE set, "
                           f"or no network); download it first or unset HF_HUB_OFFLINE") from e
-    except OSError as e:  # network failures surface as requests/httpx errors deriving from OSError
+    except HFValidationError as e:  # names the regex admits but the Hub does not (a--b, .git, over 96 characters)
+        raise Fp8kitError(f"{text}: not a valid Hub repo id ({str(e).splitlines()[0]})") from e
+    except (OSError, _network_error()) as e:
         raise Fp8kitError(f"{repo_id}: download failed ({e.__class__.__name__}); check the network or use a local copy") from e
+
+
+def _network_error() -> type[Exception]:
+    """huggingface_hub 1.x downloads with httpx, whose errors are not OSErrors; 0.x with requests, whose are."""
+    try:
+        from httpx import HTTPError
+    except ImportError:
+        return OSError
+    return HTTPError
 
 
 def load_config(src: Path) -> dict:
@@ -83,10 +95,12 @@ def weight_files(src: Path) -> list[Path]:
     index = src / INDEX_NAME
     if index.exists():
         weight_map = read_weight_map(index)
+        for name in sorted(set(weight_map.values())):
+            # the name, not where it links: the HF cache's snapshot files are symlinks into ../../blobs
+            if Path(name).name != name or name in (".", ".."):
+                raise Fp8kitError(f"{index}: names shard {name!r} outside the checkpoint directory")
         files = sorted({src / f for f in weight_map.values()})
         for f in files:
-            if f.resolve().parent != src.resolve():
-                raise Fp8kitError(f"{index}: names shard {f.name!r} outside the checkpoint directory")
             if not f.is_file():
                 raise Fp8kitError(f"{index}: names shard {f.name}, which is missing; re-download the checkpoint")
         return files

@@ -133,6 +133,38 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().to("cpu").contiguous().view(torch.uint8).numpy())
 
 
+def read_source(src_path: Path) -> tuple[dict, dict[str, TensorInfo]]:
+    """The source's config and tensors, refused when fp8-convert cannot take them (every scheme checks the same)."""
+    config = source.load_config(src_path)
+    if config.get("model_type") in TRANSPOSED_LINEARS:
+        raise Fp8kitError(f"{src_path / 'config.json'}: model_type {config['model_type']!r} stores its linear "
+                          f"weights transposed (Conv1D, [in, out]); fp8-convert does not support it")
+    tensors = source.read_tensors(src_path)
+    check_not_quantized(tensors)
+    return config, tensors
+
+
+def _tied(config: dict) -> bool:
+    """transformers ties the output head to the embeddings unless the (text) config says otherwise."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", True)))
+
+
+def check_all_finite(tensors: dict[str, TensorInfo]) -> None:
+    """Every float tensor read once, piece by piece: for schemes that load the model whole (tensor-static), whose
+    quantization would otherwise turn one NaN into NaN scales and weights without a word."""
+    for info in tensors.values():
+        if info.dtype not in FLOAT_DTYPES:
+            continue
+        fd = os.open(info.path, os.O_RDONLY)
+        try:
+            for pos in range(0, info.nbytes, COPY_BYTES):
+                buf = read_bytes(fd, info.start + pos, min(COPY_BYTES, info.nbytes - pos), info.path)
+                _check_finite(torch.frombuffer(buf, dtype=DTYPES[info.dtype]), info)
+        finally:
+            os.close(fd)
+
+
 def _check_finite(values: torch.Tensor, info: TensorInfo) -> None:
     if not bool(torch.isfinite(values).all()):
         raise Fp8kitError(f"{info.path}: tensor {info.name!r} contains NaN or Inf; fix the source weights")
@@ -315,13 +347,8 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     out = check_out(out, overwrite)
     src_path = source.resolve(src).resolve()
     check_out(out, overwrite, src_path)
-    config = source.load_config(src_path)
-    if config.get("model_type") in TRANSPOSED_LINEARS:
-        raise Fp8kitError(f"{src_path / 'config.json'}: model_type {config['model_type']!r} stores its linear "
-                          f"weights transposed (Conv1D, [in, out]); fp8-convert does not support it")
-    tensors = source.read_tensors(src_path)
-    check_not_quantized(tensors)
-    sel = select(tensors, spec, list(ignore), lm_head=lm_head)
+    config, tensors = read_source(src_path)
+    sel = select(tensors, spec, list(ignore), lm_head=lm_head, tied=_tied(config))
     jobs = _plan(tensors, set(sel.quantize), spec, format)
     shards = _shard(jobs, shard_bytes)
     files_out = len(shards) + (1 if kv_cache else 0)  # KV-cache scales: a shard of their own, last
