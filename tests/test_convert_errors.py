@@ -291,6 +291,8 @@ def test_more_bad_options_and_outputs(llama_dir, tmp_path):
     out = tmp_path / "out"
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--max-shard-size", "99999999999999999999TB"), out,
                          "out of range")
+    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--max-shard-size", "0MB"), out,
+                         "--max-shard-size '0MB': out of range")  # as typed (it printed 0.0)
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "tensor-static", "--format", "fp8"), out,
                          "compressed-tensors format only")
     if not torch.cuda.is_available():

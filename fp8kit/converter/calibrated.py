@@ -78,13 +78,25 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
                 shutil.copyfile(extra, partial / extra.name)
         for stray in ("recipe.yaml",):
             (partial / stray).unlink(missing_ok=True)
+        quantized = _fp8_modules(partial)  # what was written, not what was asked for
+        if not quantized:
+            raise Fp8kitError(f"{src_path}: llm-compressor quantized none of the {len(sel.quantize)} Linear weights "
+                              f"selected (they are not torch Linear modules in this architecture); nothing was written")
     files = sorted(p.name for p in out.iterdir())
     return ConvertReport(
         src=str(src), out=str(out), scheme="tensor-static", format="compressed-tensors", device=str(model.device),
-        quantized=sel.quantize, ignored=ignore_list(sel.keep), bytes_in=sum(t.nbytes for t in tensors.values()),
+        quantized=quantized, ignored=ignore_list(sel.keep), bytes_in=sum(t.nbytes for t in tensors.values()),
         bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
         peak_rss_bytes=peak_rss_bytes(), peak_gpu_bytes=None, files=files,
         warnings=sel.warnings + [f"calibrated on {len(samples)} sequences from {calibration.name}"])
+
+
+def _fp8_modules(folder: Path) -> list[str]:
+    """The modules whose weight the output holds in FP8."""
+    from fp8kit.converter.safetensors_io import read_header
+
+    return sorted(name[: -len(".weight")] for f in folder.glob("*.safetensors")
+                  for name, info in read_header(f)[0].items() if name.endswith(".weight") and info.dtype == "F8_E4M3")
 
 
 def _accelerator_available() -> bool:

@@ -66,10 +66,10 @@ def parse_size(size: str | int) -> int:
     if not m:
         raise Fp8kitError(f"--max-shard-size {size!r}: expected a size such as 5GB, 500MB or 2GiB")
     base = 1024 if m.group(3) else 1000
-    size = float(m.group(1)) * base ** "_KMGT".index(m.group(2) or "_")
-    if not 0 < size < 2**63:
-        raise Fp8kitError(f"--max-shard-size {size!r}: out of range")
-    return int(size)
+    nbytes = float(m.group(1)) * base ** "_KMGT".index(m.group(2) or "_")
+    if not 0 < nbytes < 2**63:
+        raise Fp8kitError(f"--max-shard-size {size!r}: out of range; give a size above zero, such as 5GB")
+    return int(nbytes)
 
 
 def peak_rss_bytes() -> int:
