@@ -177,10 +177,12 @@ def test_names_the_hub_refuses_are_refused_before_converting(tmp_path, src, args
 def test_checks_before_an_upload_are_retried(tmp_path, hub, src):
     args = [src, "--base-model", "org/tiny", "--scheme", "dynamic", "--json"]
     assert publish(tmp_path, hub, *args).returncode == 0
-    hub.faults["/paths-info/"] = [503]  # once: the comparison with the repo is retried, not failed
+    # once each: repo_exists (the repo's own endpoint), list_repo_files (its tree) and the comparison with the repo
+    hub.faults.update({"/api/models/tester/tiny-FP8-Dynamic": [503], "/tree/": [502], "/paths-info/": [503]})
     proc = publish(tmp_path, hub, *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert results(proc)["tester/tiny-FP8-Dynamic"]["status"] == "unchanged"
+    assert not any(hub.faults.values())  # every fault was met, and retried
 
 
 def test_card_says_how_the_variant_was_made_not_how_this_run_was_called(tmp_path, src):
@@ -220,3 +222,23 @@ def test_block_card_names_the_layers_kept_in_source_precision(tmp_path):
     assert "6 Linear layers kept in the source precision" in result.stdout
     dynamic = (tmp_path / "staging" / "me--odd-FP8-Dynamic" / "README.md").read_text()
     assert "could not take this scheme" not in dynamic
+
+
+def test_src_that_is_neither_a_folder_nor_a_repo_id_is_one_line(tmp_path):
+    missing = tmp_path / "tiny-llamma"
+    result = CliRunner().invoke(main, ["publish", str(missing), "--base-model", "org/tiny", "--scheme", "dynamic",
+                                       "--dry-run", "--org", "me", "--staging", str(tmp_path / "staging")])
+    line = one_line_error(result)
+    assert f"{missing}: no such folder" in line
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+
+
+def test_plan_with_a_local_src_and_no_base_model_is_refused_before_any_work(tmp_path, src):
+    plan = tmp_path / "plan.toml"
+    plan.write_text(GOOD.format(src=src) + f'[[model]]\nsrc = "{src}"\nschemes = ["block"]\n')
+    result = CliRunner().invoke(main, ["publish", "--plan", str(plan), "--dry-run", "--org", "me",
+                                       "--staging", str(tmp_path / "staging")])
+    line = one_line_error(result)
+    assert "[[model]] number 2" in line and "base_model" in line
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+

@@ -18,6 +18,11 @@ HUB_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "*.tik
                 "*.yaml", "*.vocab", "*merges*"]
 
 
+def is_repo_id(text: str) -> bool:
+    """`org/name[@revision]`, and not a path spelled like one."""
+    return bool(REPO_ID.match(text)) and not text.startswith((".", "/", "~"))
+
+
 def resolve(src: str | Path) -> Path:
     """A local directory as is; `org/name[@revision]` through huggingface_hub (HF_HUB_OFFLINE=1 uses the cache)."""
     path = Path(src).expanduser()
@@ -26,13 +31,12 @@ def resolve(src: str | Path) -> Path:
             raise Fp8kitError(f"{path}: SRC must be a checkpoint directory (with config.json and *.safetensors)")
         return path
     text = str(src)
-    if not REPO_ID.match(text) or text.startswith((".", "/", "~")):
+    if not is_repo_id(text):
         raise Fp8kitError(f"{src}: no such directory, and not a Hub repo id of the form org/name[@revision]")
     repo_id, _, revision = text.partition("@")
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     try:
         # Offline, a commit-hash revision must also be looked up in the cache only (huggingface_hub would

@@ -202,7 +202,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     local = Path(src).expanduser().is_dir()
     if local and not base_model:
         raise Fp8kitError(f"{src}: a local SRC needs --base-model ORG/NAME (it names the source on the card)")
-    if not local and not source.REPO_ID.match(src):
+    if not local and not source.is_repo_id(src):
         raise Fp8kitError(f"{src}: no such folder, and not a Hub repo id ORG/NAME[@REVISION]")
     base_model = base_model or src.partition("@")[0]
     if not REPO_ID.match(base_model):

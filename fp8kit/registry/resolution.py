@@ -59,21 +59,22 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
 
     from pathlib import Path
 
-    from fp8kit.converter.source import REPO_ID
+    from fp8kit.converter.source import is_repo_id
     from fp8kit.errors import Fp8kitError
 
     scheme = resolve_scheme(scheme)
     variants = catalog.load() if variants is None else variants
-    key, _, revision = name.strip().lower().partition("@")
+    base, _, revision = name.strip().partition("@")
+    key = base.lower()
     if Path(name).expanduser().is_dir():  # a local checkpoint is converted, whatever its path looks like
         variants = []
-    elif not REPO_ID.match(name.strip()) or name.strip().startswith((".", "/", "~")):
+    elif not is_repo_id(name.strip()):
         raise Fp8kitError(f"{name}: no such folder, and not a Hub repo id of the form org/name[@revision]")
     for v in variants:
         if v.repo_id.lower() == key:  # already a variant, pinned or not: it is its own answer
             answer = _answer(v.repo_id, v.scheme if v.scheme in REQUESTS else scheme, v)
             if revision:  # the pin kept, as the caller spelled it (commit hashes and branch names are case-exact)
-                pinned = f"{v.repo_id}@{name.strip().partition('@')[2]}"
+                pinned = f"{v.repo_id}@{revision}"
                 answer = Resolution(**{**answer.to_dict(), "name": pinned, "repo_id": pinned})
             return answer
     # a pinned base revision is converted: an upload was made from some commit of the base, not necessarily that one

@@ -283,6 +283,7 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, mas
         model.train()
         chunks = torch.arange(len(completions)).chunk(config.gradient_accumulation_steps)
         total_tokens = batch["mask"].sum().clamp_min(1).item()
+        total_rows = max(1, int((batch["mask"].sum(-1) > 0).sum().item()))  # rows with completion tokens (gspo)
         stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "mismatch_kl": 0.0, "is_weight_mean": 0.0}
         for idx in chunks:
             part = slice(int(idx[0]), int(idx[-1]) + 1)
@@ -305,7 +306,7 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, mas
             # the logged token means are the batch's whatever the loss's weighting and the micro-batching (gspo's
             # clip ratio counts sequences)
             tokens = mask.sum().item() / total_tokens
-            rows_share = int((mask.sum(-1) > 0).sum().item()) / max(1, int((batch["mask"].sum(-1) > 0).sum().item()))
+            rows_share = int((mask.sum(-1) > 0).sum().item()) / total_rows
             stats["kl"] += out.kl * tokens
             stats["clip_ratio"] += out.clip_ratio * (rows_share if config.loss_type == "gspo" else tokens)
             stats["mismatch_kl"] += mismatch_kl(logp.detach(), rollout_logp, mask).item() * tokens

@@ -415,7 +415,6 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
     """Load a PEFT LoRA adapter into the model's LoRA modules: ranks and shapes must match; the scaling
     (lora_alpha / r) is taken from adapter_config.json. Everything is checked before the model is touched."""
     from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
 
     directory = Path(directory)
     config_file, weights_file = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
@@ -450,9 +449,9 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
             directory / "adapter_model.bin").exists() else ""
         raise Fp8kitError(f"{weights_file}: missing{pickled}; {redo}")
     try:
-        tensors = load_file(weights_file)
         with safe_open(weights_file, "pt") as f:
             stamp = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (OSError, SafetensorError) as e:
         raise Fp8kitError(f"{weights_file}: not a readable safetensors file, truncated or corrupt ({_one_line(e)}); "
                           f"save the adapter again") from e

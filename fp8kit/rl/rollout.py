@@ -49,7 +49,8 @@ class HFRollout:
         self.model = model
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         # vLLM stops at the tokenizer's EOS and at every eos_token_id of the checkpoint's generation_config.json
-        # (Gemma 3's <end_of_turn>, Llama 3 Instruct's <|eot_id|>); sampling the same way needs the same stops
+        # (Gemma 3's <end_of_turn>, Llama 3 Instruct's <|eot_id|>; vllm/sampling_params.py
+        # update_from_generation_config); sampling the same way needs the same stops
         listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
         self.eos_ids = sorted({i for i in [tokenizer.eos_token_id, *listed] if i is not None})
