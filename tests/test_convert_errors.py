@@ -315,6 +315,8 @@ def test_malformed_config_and_index(src, tmp_path):
     assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "weight_map must map")
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../model.safetensors"}}))
     assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "outside the checkpoint directory")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "model.safetensors.index.json: weight_map is empty")
 
 
 def test_empty_weights_are_kept_not_divided_by_zero(tmp_path):
@@ -446,3 +448,9 @@ def test_deeply_nested_header_is_one_line(tmp_path):
     (src / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
     out = tmp_path / "out"
     assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "model.safetensors", "corrupt")
+
+
+def test_nothing_left_to_quantize_names_the_checkpoint(src, tmp_path):
+    out = tmp_path / "out"
+    code, err = run_cli(src, out, "--scheme", "dynamic", "--ignore", "re:.*")
+    assert_clean_failure(code, err, out, f"{src.resolve()}: no weights to quantize")

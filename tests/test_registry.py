@@ -275,3 +275,19 @@ def test_catalog_errors_count_commented_headers_and_reject_non_tables(tmp_path):
     overlay.write_text("variant = [1]\n")
     with pytest.raises(Fp8kitError, match="must be a \\[\\[variant\\]\\] table"):
         load()
+
+
+def test_cache_rm_of_a_linked_model_folder_removes_the_link_not_its_target(tmp_path):
+    root = tmp_path / "fp8cache"
+    root.mkdir(parents=True, exist_ok=True)
+    elsewhere = tmp_path / "elsewhere"
+    entry = elsewhere / COMMIT / "dynamic-compressed-tensors-fp8kit0.1.0"
+    entry.mkdir(parents=True)
+    (entry / "fp8kit-entry.json").write_text("{}")
+    (root / "org--m").symlink_to(elsewhere, target_is_directory=True)
+    everything = CliRunner().invoke(main, ["cache", "rm", "--all"])  # --all removes only real folders of ours
+    assert everything.exit_code == 0 and (root / "org--m").is_symlink()
+    result = CliRunner().invoke(main, ["cache", "rm", "org/m"])
+    assert result.exit_code == 0, result.output
+    assert not (root / "org--m").exists() and not (root / "org--m").is_symlink()
+    assert (entry / "fp8kit-entry.json").read_text() == "{}"

@@ -115,3 +115,24 @@ def test_ensure_with_a_cache_path_that_is_a_file_is_one_line(tmp_path, llama_dir
     with pytest.raises(Fp8kitError) as e:
         ensure(str(llama_dir), "dynamic")
     assert str(tmp_path / "fp8cache") in str(e.value) and "nothing was converted" in str(e.value)
+
+
+APPEND_MANY = """
+import sys
+from fp8kit.registry.catalog import Variant, append_to_overlay
+for i in range(15):
+    append_to_overlay(Variant(f"me/m{sys.argv[1]}-{i}-FP8-Dynamic", "qwen3", "dynamic", "compressed-tensors",
+                              ("dynamic",), ("Qwen/Qwen3-8B",), "overlay"))
+"""
+
+
+def test_concurrent_overlay_writers_keep_every_entry(tmp_path):
+    """Publishing jobs in parallel each append their uploads: the lock beside the file serializes the
+    read-append-replace, so no writer's entries are lost to another's replace."""
+    (tmp_path / "overlay.toml").write_text(OVERLAY)
+    procs = [subprocess.Popen([sys.executable, "-c", APPEND_MANY, str(w)], stderr=subprocess.PIPE, text=True)
+             for w in range(4)]
+    errors = [p.communicate(timeout=180)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errors
+    names = sorted(v.repo_id for v in load() if v.source == "overlay")
+    assert names == sorted(["me/Qwen3-8B-FP8-Dynamic"] + [f"me/m{w}-{i}-FP8-Dynamic" for w in range(4) for i in range(15)])

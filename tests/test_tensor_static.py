@@ -112,3 +112,20 @@ def test_device_and_shard_size_reach_the_calibration(tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
     assert all((out / s).stat().st_size < 300_000 + 200_000 for s in shards)  # a tensor may exceed the limit alone
+
+
+def test_nothing_quantized_by_llmcompressor_is_refused_and_nothing_written(tmp_path, monkeypatch):
+    """Where llm-compressor leaves the selected weights alone (not torch Linear modules in some architecture), the
+    output would be a BF16 copy labelled FP8: refused by reading back what was written. Its calibration is replaced
+    by one that quantizes nothing, which is what such an architecture gets."""
+    import llmcompressor
+
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1)
+    add_tokenizer(src, SAMPLE + " ".join(map(str, range(500))))
+    monkeypatch.setattr(llmcompressor, "oneshot", lambda **kwargs: None)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(fp8_convert, [str(src), str(out), "--scheme", "tensor-static", "--device", "cpu"])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]  # beside loading progress bars
+    assert result.exit_code == 1 and len(errors) == 1, (result.stderr, result.exception)
+    assert errors[0].startswith(f"error: {src.resolve()}: llm-compressor quantized none of the 14 Linear weights")
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))

@@ -43,7 +43,7 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     src_path = source.resolve(src).resolve()
     check_out(out, overwrite, src_path)
     _, tensors = read_source(src_path)
-    sel = select(tensors, SCHEMES["tensor"], list(ignore))
+    sel = select(tensors, SCHEMES["tensor"], list(ignore), src=src_path)
     check_all_finite(tensors)
 
     from torch.utils.data import DataLoader

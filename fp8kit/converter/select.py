@@ -11,6 +11,7 @@ frees memory for the KV cache (Qwen3-8B: 0.58 GiB); it bought no measurable spee
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from fp8kit.converter.safetensors_io import TensorInfo
@@ -86,7 +87,7 @@ def _lm_head(tensors: dict[str, TensorInfo], scheme: Scheme, tied: bool) -> str:
 
 
 def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm_head: bool = False,
-           tied: bool = False) -> Selection:
+           tied: bool = False, src: Path | str = "checkpoint") -> Selection:
     patterns = [re.compile(p[3:] if p.startswith("re:") else p) for p in ignore]
     sel = Selection()
     wanted: dict[str, bool] = {}
@@ -144,7 +145,7 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
         sel.quantize.append(_lm_head(tensors, scheme, tied))
         sel.keep.remove("lm_head")
     if not sel.quantize:
-        raise Fp8kitError("no weights to quantize: no 2-D Linear weights inside decoder layers "
-                          "(model.layers.N...) were found or all were ignored")
+        raise Fp8kitError(f"{src}: no weights to quantize: no 2-D Linear weights inside decoder layers "
+                          f"(model.layers.N...) were found or all were ignored")
     sel.keep.sort(key=natural_key)
     return sel

@@ -92,6 +92,8 @@ def read_weight_map(index: Path) -> dict[str, str]:
         raise Fp8kitError(f"{index}: unreadable or has no weight_map; re-download it") from e
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise Fp8kitError(f"{index}: weight_map must map tensor names to shard file names; re-download it")
+    if not weight_map:
+        raise Fp8kitError(f"{index}: weight_map is empty, so the index names no weights; re-download the checkpoint")
     return weight_map
 
 

@@ -348,7 +348,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     src_path = source.resolve(src).resolve()
     check_out(out, overwrite, src_path)
     config, tensors = read_source(src_path)
-    sel = select(tensors, spec, list(ignore), lm_head=lm_head, tied=_tied(config))
+    sel = select(tensors, spec, list(ignore), lm_head=lm_head, tied=_tied(config), src=src_path)
     jobs = _plan(tensors, set(sel.quantize), spec, format)
     shards = _shard(jobs, shard_bytes)
     files_out = len(shards) + (1 if kv_cache else 0)  # KV-cache scales: a shard of their own, last

@@ -8,7 +8,6 @@ rebuilt when its files no longer match the marker.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -16,6 +15,8 @@ import re
 import shutil
 import time
 from pathlib import Path
+
+from filelock import FileLock
 
 from fp8kit.converter import source
 from fp8kit.converter.safetensors_io import read_header
@@ -117,8 +118,8 @@ def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -
     src = source.resolve(name)
     entry = model_dir(name) / _source_commit(src) / entry_name(scheme, fmt)
     entry.parent.mkdir(parents=True, exist_ok=True)
-    with open(entry.parent / (entry.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here while the first converts
+    # filelock (huggingface_hub's own dependency): flock on POSIX, msvcrt locking on Windows
+    with FileLock(entry.parent / (entry.name + ".lock")):  # a second process waits here while the first converts
         if verify(entry):
             return entry
         from fp8kit.converter import convert

@@ -132,14 +132,14 @@ def _append_whole(path: Path, block: str) -> None:
     """Rewrite `path` as its old text + `block` through a temporary file beside it and os.replace, under a lock file
     beside it: a failed write (disk full, interrupt) leaves the old file whole, and concurrent writers do not
     lose each other's entries. A symlinked file is rewritten at its target."""
-    import fcntl
     import secrets
+
+    from filelock import FileLock
 
     target = Path(os.path.realpath(path))
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(target.with_name(f".{target.name}.lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the lock file is closed
+        with FileLock(target.with_name(f".{target.name}.lock")):
             text = target.read_text() if target.exists() else ""
             mode = target.stat().st_mode & 0o7777 if target.exists() else None
             try:
