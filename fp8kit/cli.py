@@ -84,7 +84,11 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
     else:
         click.echo(f"{report.out}: {len(report.quantized)} weights in FP8 ({scheme}, {fmt}), "
                    f"{len(report.ignored)} modules kept; {report.bytes_in / 1e9:.2f} GB -> {report.bytes_out / 1e9:.2f} GB "
-                   f"in {report.seconds:.1f} s, peak RSS {report.peak_rss_bytes / 2**20:.0f} MiB", err=True)
+                   f"in {report.seconds:.1f} s, peak RSS {_mib(report.peak_rss_bytes)}", err=True)
+
+
+def _mib(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 2**20:.0f} MiB"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -169,3 +169,14 @@ def test_lm_head_needs_an_untied_head(tmp_path):
     with pytest.raises(Fp8kitError, match="ties the output head"):
         convert(src, tmp_path / "out", scheme="dynamic", lm_head=True)
     assert not (tmp_path / "out").exists()
+
+
+def test_peak_rss_without_proc_status_falls_back_to_getrusage_in_bytes(tmp_path):
+    """Where /proc/self/status is missing (macOS, BSD) the report's peak RSS comes from getrusage, whose unit differs
+    by platform (KiB on Linux, bytes on macOS): on this machine both sources must agree on the order of magnitude."""
+    from fp8kit.converter.streaming import peak_rss_bytes
+
+    from_proc, from_rusage = peak_rss_bytes(), peak_rss_bytes(status=str(tmp_path / "no-status"))
+    if from_proc is None or from_rusage is None:
+        pytest.skip("no resident-set measure on this platform")
+    assert 0.5 < from_rusage / from_proc < 2, (from_proc, from_rusage)

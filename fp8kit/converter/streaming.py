@@ -12,8 +12,8 @@ import json
 import os
 import queue
 import re
-import resource
 import shutil
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,7 +49,7 @@ class ConvertReport:
     bytes_in: int
     bytes_out: int
     seconds: float
-    peak_rss_bytes: int
+    peak_rss_bytes: int | None  # None where the platform has no measure of it
     peak_gpu_bytes: int | None
     files: list[str]
     warnings: list[str] = field(default_factory=list)
@@ -72,14 +72,20 @@ def parse_size(size: str | int) -> int:
     return int(nbytes)
 
 
-def peak_rss_bytes() -> int:
+def peak_rss_bytes(status: str = "/proc/self/status") -> int | None:
     """This process's resident-set high-water mark. VmHWM, where Linux has it: ru_maxrss also counts the
-    peak of a parent this process was forked from before exec."""
+    peak of a parent this process was forked from before exec. None where neither exists (Windows)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(status) as f:
             return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
     except (OSError, AttributeError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        pass
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux and the BSDs KiB
 
 
 def resolve_device(device: str) -> torch.device:
