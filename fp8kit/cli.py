@@ -100,7 +100,7 @@ def main():
 @main.command()
 @click.option("--seed", default=0, show_default=True)
 def demo(seed):
-    """Build a tiny random Llama, convert it with every scheme, load each back, print a table."""
+    """Build a tiny random Llama, convert it with dynamic, block and tensor, load each back, print a table."""
     from fp8kit.demo import format_table, run_demo
 
     try:

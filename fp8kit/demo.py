@@ -1,6 +1,6 @@
 """`fp8kit demo`: the whole conversion story on a model made on the spot, with no network.
 
-A seeded tiny Llama is converted with every scheme and format, each result is loaded back with
+A seeded tiny Llama is converted with each uncalibrated scheme (and block in the fp8 format), each result is loaded back with
 transformers, and the table shows what each costs in size and accuracy.
 """
 

@@ -143,3 +143,15 @@ def test_loaded_model_on_cuda(tmp_path, llama_dir):
     # activations to the next FP8 value (6% steps), which this small random model amplifies to ~3% of the
     # logits (measured on an H200 with the reference backend on both sides); a broken load is off by ~100%.
     assert (a - b).norm() / a.norm() < 0.1
+
+
+def test_device_index_and_name_load_on_that_gpu(tmp_path, llama_dir):
+    from fp8kit import convert
+    from fp8kit.errors import Fp8kitError
+
+    out = convert(llama_dir, tmp_path / "fp8", scheme="dynamic").out
+    for device in (0, "cuda:0", torch.device("cuda", 0)):
+        model = load_fp8_model(out, dtype=torch.bfloat16, lora_rank=4, device=device)
+        assert {p.device for p in model.parameters()} == {torch.device("cuda", 0)}, device
+    with pytest.raises(Fp8kitError, match=f"only {torch.cuda.device_count()} CUDA GPU"):
+        load_fp8_model(out, dtype=torch.bfloat16, lora_rank=4, device=torch.cuda.device_count())

@@ -202,6 +202,20 @@ def test_dry_runs_reuse_the_cache_and_keep_it_intact(tmp_path, src, monkeypatch)
     assert f"fp8kit publish {src} --base-model org/tiny --scheme dynamic" in card  # not the host's argv
 
 
+def test_each_card_names_only_its_own_scheme(tmp_path, src, monkeypatch):
+    from fp8kit.hub import publish as publish_api
+
+    monkeypatch.setenv("FP8KIT_CACHE", str(tmp_path / "fp8cache"))
+    monkeypatch.setenv("FP8KIT_REGISTRY", str(tmp_path / "overlay.toml"))
+    results = publish_api(str(src), ["dynamic", "tensor"], base_model="org/tiny", org="me", dry_run=True,
+                          staging=tmp_path / "staging")
+    assert [r.status for r in results] == ["dry-run", "dry-run"]
+    for variant, scheme, other in (("Dynamic", "dynamic", "tensor"), ("Tensor", "tensor", "dynamic")):
+        made = (tmp_path / "staging" / f"me--tiny-FP8-{variant}" / "README.md").read_text().split("## How it was made")[1]
+        assert f"--base-model org/tiny --scheme {scheme} --repo-template" in made
+        assert f"--scheme {other}" not in made
+
+
 def test_validation_failure_is_one_line_and_the_plan_goes_on(tmp_path, hub, src):
     broken = tmp_path / "broken"
     shutil.copytree(src, broken)

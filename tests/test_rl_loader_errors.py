@@ -297,8 +297,13 @@ def test_save_interrupted_between_its_two_files_is_refused_on_load(fp8_dir, tmp_
     (dict(lora_rank=-1), "lora_rank=-1"),
     (dict(lora_rank=2.5), "lora_rank=2.5"),
     (dict(lora_alpha="16"), "lora_alpha='16'"),
+    (dict(lora_alpha=-1), "lora_alpha=-1: expected a number > 0"),
+    (dict(lora_alpha=float("nan")), "lora_alpha=nan"),
     (dict(lora_dropout=1.5), "lora_dropout=1.5"),
-], ids=["typo", "unquantized", "dotted", "empty", "rank-negative", "rank-float", "alpha-string", "dropout"])
+    (dict(device="gpu"), "device='gpu': not a device"),
+    (dict(device="meta"), "device='meta': the FP8 layers run on 'cpu' or 'cuda'"),
+], ids=["typo", "unquantized", "dotted", "empty", "rank-negative", "rank-float", "alpha-string", "alpha-negative",
+        "alpha-nan", "dropout", "device-name", "device-kind"])
 def test_lora_arguments_are_checked_in_one_line(fp8_dir, kwargs, needle):
     """Each once gave a torch traceback, or (target_modules) a model with no LoRA at all."""
     with pytest.raises(Fp8kitError) as e:
@@ -316,3 +321,6 @@ def test_cuda_device_without_a_gpu_is_one_line(fp8_dir):
     with pytest.raises(Fp8kitError) as e:
         load_fp8_model(fp8_dir, dtype=torch.float32, device="cuda")
     _one_line(e, "device='cuda'", "no CUDA GPU")
+    with pytest.raises(Fp8kitError) as e:  # an index means that CUDA GPU
+        load_fp8_model(fp8_dir, dtype=torch.float32, device=3)
+    _one_line(e, "device=3:", "no CUDA GPU")

@@ -233,10 +233,13 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         _check_hub_name(repo_id_for(repo_template, org, base_model, scheme))
     src_dir = source.resolve(src)
     terms = source_terms(src_dir)
-    if command is None:  # from this call's own arguments, never from the host process's command line
-        command = shlex.join(["fp8kit", "publish", str(src), "--base-model", base_model]
-                             + [a for s in schemes for a in ("--scheme", s)] + ["--repo-template", repo_template]
-                             + (["--max-kl", f"{max_kl:g}"] if max_kl is not None else []))
+    def made_by(scheme: str) -> str:
+        """The card's command: the variant's own (one scheme), from this call's arguments, never from the host
+        process's command line."""
+        if command is not None:
+            return command
+        return shlex.join(["fp8kit", "publish", str(src), "--base-model", base_model, "--scheme", scheme,
+                           "--repo-template", repo_template] + (["--max-kl", f"{max_kl:g}"] if max_kl is not None else []))
     # A staging folder of our own (no --staging) is removed when done, uploaded or not; a dry run keeps it,
     # since its report points there.
     own_staging = not staging and not dry_run
@@ -250,7 +253,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
                 conversion = cached_conversion(str(src_dir) if local else src, scheme, fmt)
                 metrics = validate(src_dir, conversion)
                 kept = kept_layers(conversion)
-                card = build_card(repo_id, base_model, scheme, fmt, metrics, command, terms, kept)
+                card = build_card(repo_id, base_model, scheme, fmt, metrics, made_by(scheme), terms, kept)
                 provenance = {"tool": "fp8kit", "version": __version__, "base_model": base_model, "scheme": scheme,
                               "format": fmt, "validation": metrics}
                 folder = staging_root / repo_id.replace("/", "--")

@@ -106,17 +106,36 @@ def _read_tensor(file: Path, key: str, device: str) -> torch.Tensor:
         raise Fp8kitError(f"{file}: cannot read tensor {key!r} ({_one_line(e)}); {RECONVERT}") from e
 
 
+def check_device(device) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N', an index or a torch.device, checked against the GPUs visible here; as a torch.device
+    (an index means that CUDA GPU, also on machines where torch.device(int) would fail for want of one)."""
+    shown = repr(str(device)) if isinstance(device, torch.device) else repr(device)
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool) \
+            else torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise Fp8kitError(f"device={shown}: not a device; use 'cpu', 'cuda' or 'cuda:N'") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise Fp8kitError(f"device={shown}: the FP8 layers run on 'cpu' or 'cuda'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise Fp8kitError(f"device={shown}: no CUDA GPU is visible here; use device='cpu'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise Fp8kitError(f"device={shown}: only {torch.cuda.device_count()} CUDA GPU(s) are visible here")
+    return dev
+
+
 def lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout=0.0, device=None) -> set[str]:
     """The LoRA arguments checked before anything is loaded or converted (each mistake otherwise surfaces as a
     torch error, or as a model without LoRA); the target leaf names as a set."""
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
         raise Fp8kitError(f"lora_rank={lora_rank!r}: expected an integer >= 0 (0: no LoRA)")
-    if lora_alpha is not None and (isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float))):
-        raise Fp8kitError(f"lora_alpha={lora_alpha!r}: expected a number, or None for alpha = rank")
+    if lora_alpha is not None and (isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float))
+                                   or not 0 < lora_alpha < math.inf):
+        raise Fp8kitError(f"lora_alpha={lora_alpha!r}: expected a number > 0, or None for alpha = rank")
     if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
         raise Fp8kitError(f"lora_dropout={lora_dropout!r}: expected a probability in [0, 1)")
-    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise Fp8kitError(f"device={str(device)!r}: no CUDA GPU is visible here; use device='cpu'")
+    if device is not None:
+        check_device(device)
     if target_modules is None:
         return set(DEFAULT_TARGETS)
     names = [target_modules] if isinstance(target_modules, str) else target_modules
@@ -259,7 +278,7 @@ def _check_dtype(dtype: torch.dtype) -> None:
 
 
 def _load(path, config, scheme, dtype, lora_rank, lora_alpha, target_modules, lora_dropout, device, backend):
-    device = torch.device(device)
+    device = check_device(device)
     model = assemble(config, _checkpoint_tensors(path, device), scheme, dtype, lora_rank, lora_alpha,
                      lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout), lora_dropout, backend,
                      str(path))

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from fp8kit.errors import Fp8kitError
-from fp8kit.rl.loader import load_fp8_model, load_lora_model, lora_targets, read_config
+from fp8kit.rl.loader import check_device, load_fp8_model, load_lora_model, lora_targets, read_config
 from fp8kit.rl.rollout import HFRollout
 
 
@@ -39,12 +39,12 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
         raise Fp8kitError(f"load_in_fp8={load_in_fp8!r}: expected True (or 'dynamic'), 'block' or False")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise Fp8kitError(f"dtype {dtype}: expected torch.bfloat16 or torch.float16 (float32 for CPU reference work)")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     lora_targets(lora_rank, lora_alpha, target_modules, 0.0, device)  # before any conversion or engine start
     path = _checkpoint(str(name), load_in_fp8)
     scheme = read_config(path)[1]
     lora = dict(lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules)
-    if fast_inference and torch.device(device).type == "cuda" and _vllm_available():
+    if fast_inference and device.type == "cuda" and _vllm_available():
         from fp8kit.rl.vllm_engine import VLLMRollout
 
         engine = VLLMRollout(path, dtype=dtype, max_seq_length=max_seq_length,
