@@ -324,3 +324,15 @@ def test_cuda_device_without_a_gpu_is_one_line(fp8_dir):
     with pytest.raises(Fp8kitError) as e:  # an index means that CUDA GPU
         load_fp8_model(fp8_dir, dtype=torch.float32, device=3)
     _one_line(e, "device=3:", "no CUDA GPU")
+
+
+def test_vllm_rollouts_on_a_second_gpu_are_refused_before_anything_loads(monkeypatch):
+    """vLLM's worker takes cuda:0 and the trainer's weights are views of its parameters: cuda:1 was ignored."""
+    import fp8kit.rl.model as rl_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(rl_model, "_vllm_available", lambda: True)
+    with pytest.raises(Fp8kitError) as e:  # a name the registry does not know: the device check comes first
+        rl_model.load_model("org/not-a-model", device="cuda:1")
+    _one_line(e, "device='cuda:1'", "CUDA_VISIBLE_DEVICES=1", "fast_inference=False")

@@ -41,10 +41,16 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
         raise Fp8kitError(f"dtype {dtype}: expected torch.bfloat16 or torch.float16 (float32 for CPU reference work)")
     device = check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     lora_targets(lora_rank, lora_alpha, target_modules, 0.0, device)  # before any conversion or engine start
+    with_vllm = fast_inference and device.type == "cuda" and _vllm_available()
+    if with_vllm and device.index not in (None, 0):
+        # vLLM's single-GPU worker takes cuda:<local rank> = cuda:0 of this process (vllm/v1/worker/gpu_worker.py),
+        # and the trainer's weights are views of its parameters: they cannot live on another GPU.
+        raise Fp8kitError(f"device={str(device)!r}: vLLM rollouts run on cuda:0 of this process; pick the GPU with "
+                          f"CUDA_VISIBLE_DEVICES={device.index} and pass device='cuda', or pass fast_inference=False")
     path = _checkpoint(str(name), load_in_fp8)
     scheme = read_config(path)[1]
     lora = dict(lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules)
-    if fast_inference and device.type == "cuda" and _vllm_available():
+    if with_vllm:
         from fp8kit.rl.vllm_engine import VLLMRollout
 
         engine = VLLMRollout(path, dtype=dtype, max_seq_length=max_seq_length,
