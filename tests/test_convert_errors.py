@@ -454,3 +454,16 @@ def test_nothing_left_to_quantize_names_the_checkpoint(src, tmp_path):
     out = tmp_path / "out"
     code, err = run_cli(src, out, "--scheme", "dynamic", "--ignore", "re:.*")
     assert_clean_failure(code, err, out, f"{src.resolve()}: no weights to quantize")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_output_folder_gets_the_umask_s_mode_not_a_private_temp_folder_s(llama_dir, tmp_path, umask):
+    """OUT was renamed from a mkdtemp folder (mode 0700): a vLLM server or a shared cache user could not read it."""
+    from fp8kit import convert
+
+    old = os.umask(umask)
+    try:
+        out = convert(llama_dir, tmp_path / "out", scheme="dynamic").out
+    finally:
+        os.umask(old)
+    assert os.stat(out).st_mode & 0o777 == 0o777 & ~umask

@@ -212,7 +212,7 @@ def test_each_card_names_only_its_own_scheme(tmp_path, src, monkeypatch):
     assert [r.status for r in results] == ["dry-run", "dry-run"]
     for variant, scheme, other in (("Dynamic", "dynamic", "tensor"), ("Tensor", "tensor", "dynamic")):
         made = (tmp_path / "staging" / f"me--tiny-FP8-{variant}" / "README.md").read_text().split("## How it was made")[1]
-        assert f"--base-model org/tiny --scheme {scheme} --repo-template" in made
+        assert f"--base-model org/tiny --scheme {scheme} --org me --repo-template" in made
         assert f"--scheme {other}" not in made
 
 

@@ -242,3 +242,37 @@ def test_plan_with_a_local_src_and_no_base_model_is_refused_before_any_work(tmp_
     assert "[[model]] number 2" in line and "base_model" in line
     assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
 
+
+
+def test_template_that_sends_two_schemes_to_one_repo_is_refused_before_any_work(tmp_path, src):
+    """The second upload replaced the first under the scheme registered for it."""
+    result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--scheme", "dynamic",
+                                       "--scheme", "block", "--org", "me", "--repo-template", "{org}/{name}-FP8",
+                                       "--dry-run", "--staging", str(tmp_path / "staging")])
+    line = one_line_error(result)
+    assert "sends dynamic and block to the same repo me/tiny-FP8" in line and "{Scheme}" in line
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+
+
+def test_republishing_a_registered_repo_with_another_scheme_is_refused_before_converting(tmp_path, hub, src):
+    """The Hub repo held block weights while the overlay still answered `resolve --scheme dynamic` with it."""
+    args = [src, "--base-model", "org/tiny", "--repo-template", "{org}/{name}-FP8", "--json"]
+    assert publish(tmp_path, hub, *args, "--scheme", "dynamic").returncode == 0
+    overlay = (tmp_path / "overlay.toml").read_text()
+    uploads = [r for r in hub.requests if r[0] == "POST"]
+    proc = publish(tmp_path, hub, *args, "--scheme", "block")
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "tester/tiny-FP8: registered in" in proc.stderr and "as dynamic" in proc.stderr
+    assert (tmp_path / "overlay.toml").read_text() == overlay
+    assert [r for r in hub.requests if r[0] == "POST"] == uploads
+    assert not any(p.name.startswith("block") for p in (tmp_path / "fp8cache").glob("*/*/*"))
+
+
+def test_overlay_that_cannot_be_written_is_refused_before_any_work(tmp_path, src, monkeypatch):
+    """Found after the upload, it turned an uploaded variant into 'failed ... FileExistsError'."""
+    (tmp_path / "cfg").write_text("a file where the overlay's folder should be")
+    monkeypatch.setenv("FP8KIT_REGISTRY", str(tmp_path / "cfg" / "registry.toml"))
+    result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--scheme", "dynamic"])
+    line = one_line_error(result)
+    assert str(tmp_path / "cfg" / "registry.toml") in line and "FP8KIT_REGISTRY" in line
+    assert not (tmp_path / "fp8cache").exists()

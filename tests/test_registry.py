@@ -272,6 +272,13 @@ def test_catalog_errors_count_commented_headers_and_reject_non_tables(tmp_path):
                        'serves = ["dynamic"]\nbase = ["c/d"]\n')
     with pytest.raises(Fp8kitError, match=f"{overlay}:1: scheme 'int4'"):
         load()
+    good = '[[variant]]\nrepo_id = "a/ok"\nfamily = "f"\nscheme = "dynamic"\nformat = "fp8"\nserves = ["dynamic"]\n' \
+           'base = ["c/d"]\n'
+    for header in ("[[\tvariant]]", '[["variant"]]', "[[ 'variant' ]]"):  # valid TOML headers: the error is on line 8
+        overlay.write_text(good + header + '\nrepo_id = "a/b"\nfamily = "f"\nscheme = "int4"\nformat = "fp8"\n'
+                           'serves = ["dynamic"]\nbase = ["c/d"]\n')
+        with pytest.raises(Fp8kitError, match=f"{overlay}:8: scheme 'int4'"):
+            load()
     overlay.write_text("variant = [1]\n")
     with pytest.raises(Fp8kitError, match="must be a \\[\\[variant\\]\\] table"):
         load()
@@ -291,3 +298,53 @@ def test_cache_rm_of_a_linked_model_folder_removes_the_link_not_its_target(tmp_p
     assert result.exit_code == 0, result.output
     assert not (root / "org--m").exists() and not (root / "org--m").is_symlink()
     assert (entry / "fp8kit-entry.json").read_text() == "{}"
+
+
+def test_appended_entries_escape_what_toml_would_misread(tmp_path):
+    """A family with a quote was appended as `family = "tiny "dev""`: every registry command then failed."""
+    family = 'tiny "dev" \\ tab\there \x7f \u00e9 \U0001f600'
+    catalog.append_to_overlay(Variant("me/tiny-FP8", family, "dynamic", "compressed-tensors", ("dynamic",),
+                                      ("org/tiny",), "overlay"))
+    [mine] = [v for v in load() if v.source == "overlay"]
+    assert mine.family == family and mine.repo_id == "me/tiny-FP8"
+
+
+def test_cache_rm_of_a_relative_name_removes_only_that_folder_s_conversion(tmp_path, llama_dir, monkeypatch):
+    """Two projects with a checkpoint folder of the same name: `cache rm ckpt` in one removed both."""
+    from fp8kit.registry import ensure
+
+    entries = {}
+    for project in ("projA", "projB"):
+        shutil.copytree(llama_dir, tmp_path / project / "ckpt")
+        monkeypatch.chdir(tmp_path / project)
+        entries[project] = ensure("ckpt", "dynamic")
+    listing = CliRunner().invoke(main, ["cache", "list", "--json"])
+    assert sorted(row["name"] for row in json.loads(listing.stdout)) == [str(tmp_path / p / "ckpt") for p in entries]
+    monkeypatch.chdir(tmp_path / "projA")
+    result = CliRunner().invoke(main, ["cache", "rm", "ckpt"])
+    assert result.exit_code == 0, result.output
+    assert not entries["projA"].exists() and (entries["projB"] / "fp8kit-entry.json").exists()
+
+
+class _LockRefused:
+    """filelock on a cache folder this user cannot write."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def acquire(self):
+        raise PermissionError(13, "Permission denied", str(self.path))
+
+
+def test_read_only_cache_serves_complete_entries_and_refuses_new_ones_in_one_line(tmp_path, llama_dir, monkeypatch):
+    """Both once died in a PermissionError traceback: the lock was taken before a complete entry was checked."""
+    from fp8kit.registry import cache, ensure
+
+    made = ensure(str(llama_dir), "dynamic")
+    monkeypatch.setattr(cache, "FileLock", _LockRefused)
+    assert ensure(str(llama_dir), "dynamic") == made
+    with pytest.raises(Fp8kitError) as e:
+        ensure(str(llama_dir), "block")
+    message = str(e.value)
+    assert "\n" not in message and f"cache {tmp_path / 'fp8cache'}: cannot write there" in message
+    assert "FP8KIT_CACHE" in message and not any(p.name.startswith("block") for p in made.parent.iterdir())

@@ -1,6 +1,6 @@
 """Output directories that appear whole or not at all.
 
-Everything is written into a fresh private folder beside OUT (same filesystem, so the final rename is
+Everything is written into a fresh folder beside OUT (same filesystem, so the final rename is
 atomic) and renamed into place at the end; on any failure, Ctrl-C included, only that folder is removed.
 Nothing the user owns is ever deleted in its place, and an existing OUT is replaced only when asked.
 """
@@ -8,6 +8,7 @@ Nothing the user owns is ever deleted in its place, and an existing OUT is repla
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -41,6 +42,7 @@ def atomic_directory(out: Path, overwrite: bool):
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        partial.chmod(_mkdir_mode())  # mkdtemp's 0700 would lock other users (a vLLM server, a shared cache) out
     except OSError as e:
         _remove_empty(made)
         nearest = next((p for p in out.parents if p.exists()), None)  # the folder OUT would be made in
@@ -67,6 +69,13 @@ def atomic_directory(out: Path, overwrite: bool):
             shutil.rmtree(partial, ignore_errors=True)
         if not ok:
             _remove_empty(made)
+
+
+def _mkdir_mode() -> int:
+    """The mode os.mkdir gives a new folder under this process's umask."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o777 & ~umask
 
 
 def _remove_empty(folders: list[Path]) -> None:

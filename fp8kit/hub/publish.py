@@ -211,10 +211,8 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         if scheme not in SCHEME_FORMAT:
             raise Fp8kitError(f"--scheme {scheme!r}: expected dynamic, block or tensor")
     check_repo_template(repo_template)
-    if not dry_run and not create_pr:  # a broken overlay found now, not after an upload it cannot register
-        from fp8kit.registry.catalog import load
-
-        load()
+    if not dry_run and not create_pr:  # a broken or unwritable overlay found now, not after an upload
+        _check_overlay()
     api = None
     if not dry_run:  # the token is checked before any conversion work
         from huggingface_hub import HfApi, get_token
@@ -231,15 +229,25 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         raise Fp8kitError("--dry-run without a token needs --org ORG to name the repos")
     for scheme in schemes:  # names the Hub refuses, refused before converting (and in a dry run)
         _check_hub_name(repo_id_for(repo_template, org, base_model, scheme))
+    seen: dict[str, str] = {}
+    for scheme in schemes:  # a later upload would replace an earlier one under the name registered for it
+        repo_id = repo_id_for(repo_template, org, base_model, scheme)
+        if seen.setdefault(repo_id.lower(), scheme) != scheme:
+            raise Fp8kitError(f"--repo-template {repo_template!r} sends {seen[repo_id.lower()]} and {scheme} to the "
+                              f"same repo {repo_id}; put {{Scheme}} or {{scheme}} in it")
+    if not dry_run and not create_pr:
+        _check_registered_schemes(schemes, repo_template, org, base_model)
     src_dir = source.resolve(src)
     terms = source_terms(src_dir)
+
     def made_by(scheme: str) -> str:
         """The card's command: the variant's own (one scheme), from this call's arguments, never from the host
         process's command line."""
         if command is not None:
             return command
         return shlex.join(["fp8kit", "publish", str(src), "--base-model", base_model, "--scheme", scheme,
-                           "--repo-template", repo_template] + (["--max-kl", f"{max_kl:g}"] if max_kl is not None else []))
+                           "--org", org, "--repo-template", repo_template]
+                          + (["--max-kl", f"{max_kl:g}"] if max_kl is not None else []))
     # A staging folder of our own (no --staging) is removed when done, uploaded or not; a dry run keeps it,
     # since its report points there.
     own_staging = not staging and not dry_run
@@ -304,6 +312,37 @@ def _upload(api, result: PublishResult, folder: Path, private: bool, create_pr: 
         raise _http_error(e, repo_id) from e
     result.status = "uploaded"
     result.url = getattr(info, "pr_url", None) or getattr(info, "commit_url", None)
+
+
+def _check_overlay() -> None:
+    """The overlay parses and its folder can be written: checked before any conversion or upload."""
+    import os
+
+    from fp8kit.registry.catalog import load, overlay_path
+
+    load()
+    path = overlay_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise PermissionError(13, "permission denied")
+    except OSError as e:
+        raise Fp8kitError(f"{path}: the registry overlay cannot be written there ({e.strerror}); set FP8KIT_REGISTRY "
+                          f"to a writable file, or pass --dry-run or --create-pr; nothing was uploaded") from e
+
+
+def _check_registered_schemes(schemes, repo_template, org, base_model) -> None:
+    """A repo the overlay registers with another scheme is refused before converting: uploading there would make
+    `resolve` hand out these weights under the old scheme."""
+    from fp8kit.registry.catalog import load, overlay_path
+
+    registered = {v.repo_id.lower(): v for v in load() if v.source == "overlay"}
+    for scheme in schemes:
+        repo_id = repo_id_for(repo_template, org, base_model, scheme)
+        old = registered.get(repo_id.lower())
+        if old is not None and (old.scheme, old.format) != (scheme, SCHEME_FORMAT[scheme]):
+            raise Fp8kitError(f"{repo_id}: registered in {overlay_path()} as {old.scheme} ({old.format}), not {scheme}; "
+                              f"publish {scheme} under another --repo-template, or remove that entry first")
 
 
 def _register(repo_id: str, scheme: str, fmt: str, base_model: str) -> None:

@@ -117,22 +117,37 @@ def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -
     _usable_root("nothing was converted")
     src = source.resolve(name)
     entry = model_dir(name) / _source_commit(src) / entry_name(scheme, fmt)
-    entry.parent.mkdir(parents=True, exist_ok=True)
+    if verify(entry):  # complete: used as it is, also from a cache this user cannot write
+        return entry
     # filelock (huggingface_hub's own dependency): flock on POSIX, msvcrt locking on Windows
-    with FileLock(entry.parent / (entry.name + ".lock")):  # a second process waits here while the first converts
-        if verify(entry):
+    lock = FileLock(entry.parent / (entry.name + ".lock"))
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()  # a second process waits here while the first converts
+    except OSError as e:
+        fix = "set FP8KIT_CACHE to a folder you can write" if os.environ.get("FP8KIT_CACHE") else \
+            "make it writable, or set FP8KIT_CACHE to a folder you can write"
+        raise Fp8kitError(f"cache {cache_root()}: cannot write there ({e.strerror or e}); {fix}; nothing was "
+                          f"converted") from e
+    try:
+        if verify(entry):  # another process finished it while this one waited
             return entry
         from fp8kit.converter import convert
 
         report = convert(src, entry, scheme=scheme, format=fmt, overwrite=True)
-        marker = {"name": name, "source": str(src), "scheme": scheme, "format": fmt,
-                  "files": {p.name: p.stat().st_size for p in sorted(entry.iterdir())},
+        # A local checkpoint is recorded by its absolute path: `cache rm` of the same relative name in another
+        # folder must not match it.
+        local = Path(name).expanduser()
+        marker = {"name": str(local.resolve()) if local.is_dir() else name, "source": str(src), "scheme": scheme,
+                  "format": fmt, "files": {p.name: p.stat().st_size for p in sorted(entry.iterdir())},
                   "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": report.seconds}
         tmp = entry / (MARKER + ".tmp")
         tmp.write_text(json.dumps(marker, indent=2) + "\n")
         tmp.rename(entry / MARKER)
         with open(cache_root() / LOG, "a") as log:
-            log.write(f"{marker['converted_at']} {name} {scheme} -> {entry}\n")
+            log.write(f"{marker['converted_at']} {marker['name']} {scheme} -> {entry}\n")
+    finally:
+        lock.release()
     return entry
 
 
@@ -161,7 +176,10 @@ def remove(name: str | None = None) -> list[Path]:
     ours = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink()
             and (any(p.glob(f"*/*/{MARKER}")) or any(p.glob("*/*.lock")))] if root.exists() else []
     if name:
-        recorded = {Path(row["path"]).parent.parent for row in list_entries() if row["name"] == name}
+        local = Path(name).expanduser()
+        # an existing folder means that checkpoint (recorded by its absolute path); otherwise the name as recorded
+        recorded_as = str(local.resolve()) if local.is_dir() else name
+        recorded = {Path(row["path"]).parent.parent for row in list_entries() if row["name"] == recorded_as}
         targets = [p for p in ours if p == model_dir(name) or p in recorded]
     else:
         targets = ours

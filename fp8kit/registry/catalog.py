@@ -48,9 +48,12 @@ def overlay_path() -> Path:
     return config_home / "fp8kit" / "registry.toml"
 
 
+VARIANT_HEADER = re.compile(r"""\[\[\s*(variant|"variant"|'variant')\s*\]\]\s*(#.*)?""")
+
+
 def _entry_lines(text: str) -> list[int]:
-    return [i + 1 for i, line in enumerate(text.splitlines())
-            if line.split("#", 1)[0].strip().replace(" ", "") == "[[variant]]"]
+    """The line of each [[variant]] header, also written `[[ "variant" ]]` or with tabs (valid TOML too)."""
+    return [i + 1 for i, line in enumerate(text.splitlines()) if VARIANT_HEADER.fullmatch(line.strip())]
 
 
 def _validate(raw: dict, path: Path, line: int, source: str) -> Variant:
@@ -119,13 +122,23 @@ def append_to_overlay(variant: Variant, path: Path | None = None) -> Path:
     path = path or overlay_path()
     read_file(path, "overlay") if path.exists() else None  # refuse to append to a broken file
     _validate({k: v for k, v in variant.to_dict().items() if k != "source"}, path, 0, "overlay")
-    lists = {k: "[" + ", ".join(f'"{x}"' for x in getattr(variant, k)) + "]" for k in ("serves", "base")}
-    block = (f'\n[[variant]]\nrepo_id = "{variant.repo_id}"\nfamily = "{variant.family}"\n'
-             f'scheme = "{variant.scheme}"\nformat = "{variant.format}"\nserves = {lists["serves"]}\n'
-             f'base = {lists["base"]}\n')
-    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = {k: v for k, v in variant.to_dict().items() if k != "source"}
+    block = "\n[[variant]]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in fields.items())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Fp8kitError(f"{path}: cannot create its folder ({e.strerror}); set FP8KIT_REGISTRY to a writable "
+                          f"file") from e
     _append_whole(path, block)
     return path
+
+
+def _toml_value(value) -> str:
+    """A TOML basic string (or a list of them): quotes, backslashes and control characters escaped."""
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return '"' + "".join({'"': '\\"', "\\": "\\\\"}.get(c) or (c if " " <= c != "\x7f" else f"\\u{ord(c):04x}")
+                         for c in value) + '"'
 
 
 def _append_whole(path: Path, block: str) -> None:
