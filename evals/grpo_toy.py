@@ -106,14 +106,30 @@ def main():
     ap.add_argument("--resume", help="a checkpoint folder to resume from")
     args = ap.parse_args()
 
+    from fp8kit.errors import Fp8kitError
+
+    try:
+        run(args)
+    except Fp8kitError as e:  # bad arguments and inputs: one line, as fp8kit's commands
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def run(args):
     import tempfile
 
     import torch
 
     from fp8kit import convert
     from fp8kit.rl.grpo import GRPOConfig, train
+    from fp8kit.rl.loader import check_device
     from fp8kit.rl.model import load_model
 
+    # checked before the toy model is pre-trained and converted
+    config = GRPOConfig(steps=args.steps, prompts_per_step=8, num_generations=8, max_completion_length=ANSWER + 2,
+                        learning_rate=5e-3, loss_type=args.loss_type, seed=args.seed, output_dir=args.output_dir,
+                        save_steps=args.save_steps)
+    check_device(args.device)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="grpo-toy-"))
     t0 = time.perf_counter()
@@ -132,9 +148,6 @@ def main():
                                   device=args.device)
     rng = random.Random(1234)
     prompts = [prompt_text(rng) for _ in range(512)]
-    config = GRPOConfig(steps=args.steps, prompts_per_step=8, num_generations=8, max_completion_length=ANSWER + 2,
-                        learning_rate=5e-3, loss_type=args.loss_type, seed=args.seed, output_dir=args.output_dir,
-                        save_steps=args.save_steps)
     print(json.dumps({"event": "start", "checkpoint": str(checkpoint), "scheme": model.fp8_scheme,
                       "rollout": model.rollout_engine.name, "prepare_s": round(prepared_s, 2)}), flush=True)
     train(model, tokenizer, prompts, [last_digit_reward], config, resume_from=args.resume,

@@ -4,6 +4,7 @@ variants, the reference policy, float16, and bad input."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -196,27 +197,42 @@ def test_gradient_accumulation_matches_one_batch(tiny_fp8, loss_type):
         assert logged[other]["clip_ratio"] == pytest.approx(logged[0]["clip_ratio"], abs=1e-9)
 
 
-def test_dropout_is_off_while_training_and_restored(tiny_fp8):
-    """The rollout samples without dropout; scored with it, the importance weights would measure dropout noise."""
+def test_dropout_is_off_while_training_and_restored(tiny_fp8, tmp_path):
+    """The rollout samples without dropout; scored with it, the importance weights would measure dropout noise.
+    Attention layers apply config.attention_dropout themselves (a float, not an nn.Dropout): it was left on."""
     from fp8kit.rl.loader import load_fp8_model
 
     _, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    with_dropout = tmp_path / "attention-dropout"
+    shutil.copytree(tiny_fp8, with_dropout)
+    config_json = json.loads((with_dropout / "config.json").read_text())
+    (with_dropout / "config.json").write_text(json.dumps({**config_json, "attention_dropout": 0.3}))
 
-    model = load_fp8_model(tiny_fp8, torch.float32, lora_rank=4, lora_dropout=0.3)
+    model = load_fp8_model(with_dropout, torch.float32, lora_rank=4, lora_dropout=0.3)
+    attention = [m for m in model.modules() if getattr(m, "attention_dropout", None) == 0.3]
+    assert attention
     with torch.no_grad():
         for i, m in enumerate(lora_modules(model).values()):
             m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=torch.Generator().manual_seed(i)) * 0.3)
     config = GRPOConfig(steps=1, prompts_per_step=2, num_generations=4, max_completion_length=6,
-                        gradient_checkpointing=False)
+                        gradient_checkpointing=False, output_dir=str(tmp_path / "run"), save_steps=1)
     step = train(model, tok, ["the quick", "lazy dog"], [lambda completions, **_: [len(c) / 40 for c in completions]],
                  config)[0]
     assert step["mismatch_kl"] < 1e-5 and step["is_weight_mean"] == pytest.approx(1.0, abs=1e-3), step
     assert {m.lora_dropout.p for m in lora_modules(model).values()} == {0.3}
+    assert {m.attention_dropout for m in attention} == {0.3}
+    # the checkpoint's adapter says how it was configured (the dropout was saved while turned off, as 0.0) and names
+    # its base, which peft's AutoPeftModelForCausalLM opens (it was "")
+    saved = json.loads((tmp_path / "run" / "checkpoint-1" / "adapter_config.json").read_text())
+    assert saved["lora_dropout"] == 0.3 and saved["base_model_name_or_path"] == str(with_dropout)
 
 
 @pytest.mark.parametrize("field,value", [("gradient_accumulation_steps", 0), ("prompts_per_step", 0),
                                          ("max_completion_length", 0), ("temperature", 0.0), ("top_p", 1.5),
-                                         ("importance_sampling_cap", 0.0), ("steps", 2.5), ("learning_rate", -1e-5)])
+                                         ("importance_sampling_cap", 0.0), ("steps", 2.5), ("learning_rate", -1e-5),
+                                         ("beta", -0.1), ("weight_decay", -1.0), ("epsilon", float("nan")),
+                                         ("warmup_steps", "2"), ("num_generations", 2.5), ("num_generations", "4"),
+                                         ("save_steps", -1), ("seed", 1.5), ("adam_betas", (1.5, 0.9))])
 def test_config_values_that_would_fail_after_a_rollout_are_refused(field, value):
     with pytest.raises(Fp8kitError) as e:
         GRPOConfig(**{field: value})
@@ -247,6 +263,25 @@ def test_bad_input(tiny_fp8, tmp_path):
         train(model, tok, [], [lambda prompts, completions, **_: [0.0] * len(completions)], config)
     with pytest.raises(Fp8kitError, match="returned 1 values for 2"):
         train(model, tok, ["the"], [lambda prompts, completions, **_: [0.0]], config)
+    for returned, needle in ((None, "returned NoneType"), (0.5, "returned float"), (["good", "bad"], "returned list"),
+                             ([[1.0], [2.0]], "returned list"), ([1.0, math.inf], "returned inf for completion 1")):
+        with pytest.raises(Fp8kitError) as e:  # each was a torch or Python traceback after the rollout (inf: NaN loss)
+            train(model, tok, ["the"], [lambda prompts, completions, r=returned, **_: r], config)
+        assert needle in str(e.value) and "\n" not in str(e.value), e.value
+    with pytest.raises(Fp8kitError, match="load_in_fp8=0"):  # 0 == False passed the check, then loaded FP8
+        load_model(str(tiny_fp8), load_in_fp8=0)
+    for length in (-5, 1, 2.5):
+        with pytest.raises(Fp8kitError, match=f"max_seq_length={length!r}"):
+            load_model(str(tiny_fp8), max_seq_length=length)
+    short, _ = load_model(str(tiny_fp8), lora_rank=4, device="cpu", max_seq_length=8)
+    with pytest.raises(Fp8kitError, match="prompt 1 has 9 tokens, and max_seq_length=8"):
+        train(short, tok, ["the", "the quick brown fox jumps over the lazy dog"],
+              [lambda prompts, completions, **_: [0.0] * len(completions)], config)
+    seen = []
+    train(short, tok, ["the quick"], [lambda completion_ids, **_: (seen.extend(map(len, completion_ids)),
+                                                                   [0.0] * len(completion_ids))[1]],
+          GRPOConfig(steps=1, prompts_per_step=1, num_generations=4, max_completion_length=20))
+    assert seen and max(seen) <= 8 - len(tok("the quick")["input_ids"]), seen  # ends at max_seq_length, as vLLM
     (tmp_path / "ckpt").mkdir()
     with pytest.raises(Fp8kitError, match="not a readable fp8kit GRPO checkpoint"):
         train(model, tok, ["the"], [lambda prompts, completions, **_: [0.0] * 2], config, resume_from=tmp_path / "ckpt")
@@ -333,3 +368,15 @@ def test_unreadable_generation_config_is_one_line(tiny_fp8, tmp_path):
     with pytest.raises(Fp8kitError) as e:
         load_model(str(ckpt), lora_rank=4, dtype=torch.float32, device="cpu")
     assert str(ckpt / "generation_config.json") in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("args,needle", [(["--loss-type", "ppo"], "loss_type 'ppo'"),
+                                         (["--save-steps", "1"], "save_steps needs output_dir"),
+                                         (["--steps", "0"], "steps=0")])
+def test_toy_script_refuses_bad_arguments_in_one_line_before_building_anything(tmp_path, args, needle):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(TOY), "--workdir", str(tmp_path / "toy"), *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith("error: ") and needle in proc.stderr
+    assert not (tmp_path / "toy").exists()  # refused before the toy model was pre-trained

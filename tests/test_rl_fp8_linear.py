@@ -413,3 +413,42 @@ def test_fp8_lm_head_loads_as_fp8_and_matches_transformers(llama_dir, tmp_path):
     assert isinstance(model.lm_head, FP8LoRALinear) and model.lm_head.weight.dtype == torch.float8_e4m3fn
     assert not any("lm_head" in n for n, p in model.named_parameters() if p.requires_grad)  # no LoRA on it
     assert (ours - theirs).abs().max() <= LOGIT_ATOL
+
+
+def test_inference_mode_computes_what_no_grad_does(fp8_dirs):
+    """The shared-input cache keyed on the version counter, which inference tensors lack: every forward failed."""
+    model = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    with torch.inference_mode():
+        got = model(input_ids=ids).logits
+    assert torch.equal(got, expected)
+
+
+def test_casting_the_model_leaves_fp8_weights_and_scales_alone(fp8_dirs):
+    """.half() turned the frozen FP8 weights into float16 copies (twice the memory) and rounded the float32 scales."""
+    model = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4)
+    layers = list(model.modules())
+    before = {id(m): (m.weight.clone(), m.weight_scale.clone()) for m in layers if isinstance(m, FP8LoRALinear)}
+    model.half()
+    for m in layers:
+        if isinstance(m, FP8LoRALinear):
+            w, s = before[id(m)]
+            assert m.weight.dtype == torch.float8_e4m3fn and m.weight_scale.dtype == torch.float32
+            assert torch.equal(m.weight.view(torch.uint8), w.view(torch.uint8)) and torch.equal(m.weight_scale, s)
+            assert m.lora_A.dtype == torch.float16
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+def test_autocast_adds_lora_in_the_output_dtype(scheme):
+    """Under autocast the LoRA products come out in bfloat16 while the FP8 product is float32: addmm_ failed."""
+    layer = _small_layer(scheme)
+    with torch.no_grad():
+        layer.lora_B.normal_(generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
+    expected = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(x)
+    # the LoRA path in bfloat16 (8-bit mantissa): a few parts in a thousand of the output's scale
+    assert (got.float() - expected).abs().max() <= 1e-2 * expected.abs().max()

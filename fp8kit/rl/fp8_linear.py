@@ -187,8 +187,8 @@ _last_quantized = _LastQuantized()
 def _quantize_input_once(x: torch.Tensor, x2: torch.Tensor, scheme: str,
                          backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """_quantize_input, reusing the result when the same unmodified input tensor comes again (eager only)."""
-    if torch.compiler.is_compiling():  # the compiler dedupes the identical work itself
-        return _quantize_input(x2, scheme, backend)
+    if torch.compiler.is_compiling() or x.is_inference():  # the compiler dedupes the work itself; inference
+        return _quantize_input(x2, scheme, backend)          # tensors have no version counter to key on
     granularity = "block" if scheme == "block" else "token"
     hit = _last_quantized.get(x, granularity, backend)
     if hit is None:
@@ -264,6 +264,7 @@ def init_lora(module: nn.Module, rank: int, alpha: float | None, dropout: float,
     module.rank = rank
     module.scaling = (alpha if alpha is not None else rank) / rank if rank else 0.0
     module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+    module.lora_dropout_rate = float(dropout)  # as configured: training turns the module's p off for a while
     if rank:
         module.lora_A = nn.Parameter(torch.empty(rank, module.in_features, dtype=dtype, device=device))
         module.lora_B = nn.Parameter(torch.zeros(module.out_features, rank, dtype=dtype, device=device))
@@ -280,6 +281,9 @@ def add_lora(module: nn.Module, x2: torch.Tensor, y2: torch.Tensor) -> torch.Ten
         return y2
     if torch.compiler.is_compiling():  # the compiler fuses the add into the next kernel; addmm_ would cost a copy
         return y2 + (module.lora_dropout(x2) @ module.lora_A.t()) @ module.lora_B.t() * module.scaling
+    if torch.is_autocast_enabled(y2.device.type):  # the products come out in autocast's dtype, not y2's
+        return y2.add_(((module.lora_dropout(x2) @ module.lora_A.t()) @ module.lora_B.t()).to(y2.dtype),
+                       alpha=module.scaling)
     return y2.addmm_(module.lora_dropout(x2) @ module.lora_A.t(), module.lora_B.t(), alpha=module.scaling)
 
 
@@ -339,6 +343,17 @@ class FP8LoRALinear(nn.Module):
         if self.bias is not None:
             y = y.add_(self.bias)
         return add_lora(self, x2, y).reshape(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn, recurse=True):
+        """`.half()`, `.to(dtype)` reach the LoRA and the bias, never the frozen FP8 weight or its float32 scale
+        (they became 16-bit copies: twice the memory, the scale rounded); device moves reach everything."""
+        weight, scale = self.weight, self.weight_scale
+        super()._apply(fn, recurse)
+        if self.weight.dtype != weight.dtype:
+            self.weight = weight.to(self.weight.device)
+        if self.weight_scale.dtype != scale.dtype:
+            self.weight_scale = scale.to(self.weight_scale.device)
+        return self
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}, rank={self.rank}"

@@ -67,17 +67,31 @@ class GRPOConfig:
             raise Fp8kitError(f"loss_type {self.loss_type!r}: expected one of {', '.join(LOSS_TYPES)}")
         if self.lr_scheduler not in SCHEDULES:
             raise Fp8kitError(f"lr_scheduler {self.lr_scheduler!r}: expected one of {', '.join(SCHEDULES)}")
-        if self.num_generations < 2:
-            raise Fp8kitError("num_generations must be at least 2: advantages are relative to the group")
+        if isinstance(self.num_generations, bool) or not isinstance(self.num_generations, int) \
+                or self.num_generations < 2:
+            raise Fp8kitError(f"num_generations={self.num_generations!r}: expected an integer >= 2 (advantages are "
+                              f"relative to the group)")
+        for name in ("warmup_steps", "save_steps", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise Fp8kitError(f"{name}={value!r}: expected an integer >= 0")
         # each of these otherwise fails only after a whole rollout, as a torch or transformers traceback
         for name in ("steps", "prompts_per_step", "gradient_accumulation_steps", "max_completion_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise Fp8kitError(f"{name}={value!r}: expected an integer >= 1")
-        for name in ("temperature", "importance_sampling_cap", "max_grad_norm", "learning_rate"):
-            value, zero_ok = getattr(self, name), name == "learning_rate"
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not zero_ok):
+        for name in ("temperature", "importance_sampling_cap", "max_grad_norm", "learning_rate", "beta",
+                     "weight_decay", "epsilon", "epsilon_high"):
+            value, zero_ok = getattr(self, name), name in ("learning_rate", "beta", "weight_decay", "epsilon_high")
+            if value is None and name == "epsilon_high":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf \
+                    or (value == 0 and not zero_ok):
                 raise Fp8kitError(f"{name}={value!r}: expected a number {'>= 0' if zero_ok else '> 0'}")
+        betas = self.adam_betas
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+                and all(not isinstance(b, bool) and isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+            raise Fp8kitError(f"adam_betas={betas!r}: expected two numbers in [0, 1), e.g. (0.9, 0.99)")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise Fp8kitError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
         if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
@@ -137,12 +151,21 @@ def _rewards(reward_funcs, weights, prompts, completions_text, completion_ids, e
     total = torch.zeros(len(completions_text))
     per_func = {}
     for i, func in enumerate(reward_funcs):
-        values = func(prompts=prompts, completions=completions_text, completion_ids=completion_ids, **extra)
-        values = torch.tensor([float("nan") if v is None else float(v) for v in values])
+        name = getattr(func, "__name__", i)
+        returned = func(prompts=prompts, completions=completions_text, completion_ids=completion_ids, **extra)
+        try:  # a forgotten return (None), one float, strings or nested lists: one line, not a torch traceback
+            values = torch.tensor([float("nan") if v is None else float(v) for v in returned], dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise Fp8kitError(f"reward function {name} returned {type(returned).__name__} ({str(e).splitlines()[0]}); "
+                              f"expected a list of {total.numel()} numbers (None for no reward), one per "
+                              f"completion") from e
         if values.shape != total.shape:
-            raise Fp8kitError(f"reward function {getattr(func, '__name__', i)} returned {values.numel()} values for "
+            raise Fp8kitError(f"reward function {name} returned {values.numel()} values for "
                               f"{total.numel()} completions")
-        per_func[f"reward/{getattr(func, '__name__', i)}"] = values.nanmean().item()
+        if values.isinf().any():  # it would make every advantage NaN and skip the update
+            raise Fp8kitError(f"reward function {name} returned {values[values.isinf()][0].item()} for completion "
+                              f"{int(values.isinf().nonzero()[0])}: expected finite numbers (None for no reward)")
+        per_func[f"reward/{name}"] = values.nanmean().item()
         total += (weights[i] if weights else 1.0) * values.nan_to_num(0.0)
     return total, per_func
 
@@ -165,7 +188,7 @@ def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
             tensors[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].detach().contiguous().cpu()
             steps[name] = float(state["step"])
     with atomic_directory(directory.resolve(), overwrite=True) as tmp:
-        write_adapter(model, tmp)
+        write_adapter(model, tmp)  # base_model_name_or_path: the model's name
         save_file(tensors, tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, "optimizer_steps": steps, "config": asdict(config)},
                                                  indent=2) + "\n")
@@ -219,6 +242,13 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     rows = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
     if not rows or not all(isinstance(r.get("prompt"), str) for r in rows):
         raise Fp8kitError("prompts: expected a non-empty list of strings or of dicts with a 'prompt' string")
+    limit = getattr(model, "max_seq_length", None)
+    if limit:  # vLLM refuses a prompt past max_model_len mid-run; both engines refuse it here, before any step
+        lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows])["input_ids"]]
+        longest = max(range(len(rows)), key=lengths.__getitem__)
+        if lengths[longest] >= limit:
+            raise Fp8kitError(f"prompt {longest} has {lengths[longest]} tokens, and max_seq_length={limit} leaves no "
+                              f"room for a completion: shorten it, or load the model with a larger max_seq_length")
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not trainable or not lora_modules(model):
         raise Fp8kitError("the model has no trainable LoRA parameters (load it with lora_rank > 0)")
@@ -242,14 +272,26 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device = params[0].device
-    dropouts = [(m, m.p) for m in model.modules() if isinstance(m, nn.Dropout) and m.p] if config.disable_dropout else []
-    for m, _ in dropouts:
-        m.p = 0.0
+    dropouts = _dropouts(model) if config.disable_dropout else []
+    for m, attr, _ in dropouts:
+        setattr(m, attr, 0.0)
     try:
         return _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, masters, trainable, start, on_step)
     finally:
-        for m, p in dropouts:
-            m.p = p
+        for m, attr, p in dropouts:
+            setattr(m, attr, p)
+
+
+def _dropouts(model: nn.Module) -> list[tuple[nn.Module, str, float]]:
+    """Every dropout that acts while model.training: nn.Dropout modules, and the float rates attention layers
+    apply themselves (Llama, Qwen3, Gemma3: `dropout=0.0 if not self.training else self.attention_dropout`)."""
+    found = []
+    for m in model.modules():
+        if isinstance(m, nn.Dropout) and m.p:
+            found.append((m, "p", m.p))
+        found += [(m, k, v) for k, v in vars(m).items()
+                  if k.endswith("dropout") and isinstance(v, float) and not isinstance(m, nn.Dropout) and v]
+    return found
 
 
 def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, masters, trainable, start, on_step):
@@ -268,6 +310,11 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, mas
         completions = rollout.generate(prompt_ids, n, config.max_completion_length, config.temperature,
                                        config.top_p, seed)
         gen_s = time.perf_counter() - t0
+        limit = getattr(model, "max_seq_length", None)
+        if limit:  # a sequence ends at max_seq_length, as vLLM's at max_model_len
+            rooms = [limit - len(p) for p in prompt_ids for _ in range(n)]
+            completions = [c if len(c.token_ids) <= room else Completion(c.token_ids[:room], c.logprobs[:room])
+                           for c, room in zip(completions, rooms)]
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         extra = {k: [r.get(k) for r in picked for _ in range(n)] for k in picked[0] if k != "prompt"}
         rewards, per_func = _rewards(reward_funcs, config.reward_weights, [r["prompt"] for r in picked for _ in range(n)],

@@ -333,7 +333,7 @@ def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, (FP8LoRALinear, LoRALinear)) and m.rank}
 
 
-def save_adapter(model: nn.Module, directory: str | Path, base_model_name_or_path: str = "") -> Path:
+def save_adapter(model: nn.Module, directory: str | Path, base_model_name_or_path: str | None = None) -> Path:
     """PEFT's adapter layout (adapter_model.safetensors + adapter_config.json), readable by peft and vLLM.
     `directory` is created if missing; each of the two files is replaced atomically and every other file
     in the directory is left alone."""
@@ -356,13 +356,16 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model_name_or_pat
     return directory
 
 
-def write_adapter(model: nn.Module, folder: Path, base_model_name_or_path: str = "") -> None:
+def write_adapter(model: nn.Module, folder: Path, base_model_name_or_path: str | None = None) -> None:
     """The adapter files written into the existing `folder`, each replaced atomically; other files stay."""
     _write_adapter_files(Path(folder), *_adapter_payload(model, base_model_name_or_path))
 
 
-def _adapter_payload(model: nn.Module, base_model_name_or_path: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """The adapter's tensors under PEFT's names, and its adapter_config.json."""
+def _adapter_payload(model: nn.Module, base_model_name_or_path: str | None) -> tuple[dict[str, torch.Tensor], dict]:
+    """The adapter's tensors under PEFT's names, and its adapter_config.json. Without a base named, the model's own
+    (load_model's name, or the checkpoint loaded): peft's AutoPeftModelForCausalLM opens the base from it."""
+    if base_model_name_or_path is None:
+        base_model_name_or_path = str(getattr(model, "name_or_path", "") or "")
     modules = lora_modules(model)
     if not modules:
         raise Fp8kitError("the model has no LoRA modules to save; load it with lora_rank > 0")
@@ -372,7 +375,8 @@ def _adapter_payload(model: nn.Module, base_model_name_or_path: str) -> tuple[di
         tensors[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.detach().contiguous().cpu()
     first = next(iter(modules.values()))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.rank, "lora_alpha": first.scaling * first.rank,
-              "lora_dropout": getattr(first.lora_dropout, "p", 0.0), "bias": "none", "fan_in_fan_out": False,
+              "lora_dropout": getattr(first, "lora_dropout_rate", getattr(first.lora_dropout, "p", 0.0)),
+              "bias": "none", "fan_in_fan_out": False,
               "target_modules": sorted({n.rsplit(".", 1)[-1] for n in modules}),
               "base_model_name_or_path": base_model_name_or_path, "inference_mode": True}
     return tensors, config

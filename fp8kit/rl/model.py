@@ -35,10 +35,12 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
     transformers' generate on the model itself."""
     from transformers import AutoTokenizer
 
-    if load_in_fp8 not in (True, False, "block", "dynamic"):
+    if not (load_in_fp8 is True or load_in_fp8 is False or load_in_fp8 in ("block", "dynamic")):  # 0 == False
         raise Fp8kitError(f"load_in_fp8={load_in_fp8!r}: expected True (or 'dynamic'), 'block' or False")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise Fp8kitError(f"dtype {dtype}: expected torch.bfloat16 or torch.float16 (float32 for CPU reference work)")
+    if isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or max_seq_length < 2:
+        raise Fp8kitError(f"max_seq_length={max_seq_length!r}: expected an integer >= 2 (prompt and completion tokens)")
     device = check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     lora_targets(lora_rank, lora_alpha, target_modules, 0.0, device)  # before any conversion or engine start
     with_vllm = fast_inference and device.type == "cuda" and _vllm_available()
