@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -457,13 +458,106 @@ def test_nothing_left_to_quantize_names_the_checkpoint(src, tmp_path):
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
-def test_output_folder_gets_the_umask_s_mode_not_a_private_temp_folder_s(llama_dir, tmp_path, umask):
-    """OUT was renamed from a mkdtemp folder (mode 0700): a vLLM server or a shared cache user could not read it."""
+def test_output_gets_the_umask_s_modes_not_private_ones(tmp_path, umask):
+    """OUT was renamed from a mkdtemp folder (0700), and safetensors' save_file wrote the KV-cache shard 0600: a vLLM
+    server or a shared cache user on another account could not read them."""
     from fp8kit import convert
+    from fp8kit.models import add_tokenizer
 
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1, max_shard_size="1MB")
+    add_tokenizer(src, "the quick brown fox jumps over the lazy dog " * 40)
     old = os.umask(umask)
     try:
-        out = convert(llama_dir, tmp_path / "out", scheme="dynamic").out
+        out = Path(convert(src, tmp_path / "out", scheme="dynamic", kv_cache="fp8", max_shard_size="1MB").out)
     finally:
         os.umask(old)
     assert os.stat(out).st_mode & 0o777 == 0o777 & ~umask
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in files)
+    assert {p.name: os.stat(p).st_mode & 0o777 for p in files} == {p.name: 0o666 & ~umask for p in files}
+
+
+def _unknown_architecture(tmp_path):
+    from fp8kit.models import add_tokenizer
+
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1)
+    add_tokenizer(src, "the quick brown fox jumps over the lazy dog " * 40)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "model_type": "brandnewlm",
+                                                  "architectures": ["BrandNewLMForCausalLM"]}))
+    return src
+
+
+@pytest.mark.parametrize("args,needle", [(["--scheme", "dynamic", "--kv-cache", "fp8"], "convert without --kv-cache"),
+                                         (["--scheme", "tensor-static"], "use --scheme tensor or dynamic")])
+def test_calibration_on_a_model_transformers_cannot_run_is_one_line(tmp_path, args, needle):
+    """A 44-line traceback; the streaming schemes convert the same checkpoint, since they never run it."""
+    src = _unknown_architecture(tmp_path)
+    out = tmp_path / "out"
+    code, err = run_cli(src, out, *args, "--device", "cpu" if "--kv-cache" in args else "auto")
+    assert_clean_failure(code, err, out, str(src), "runs the model in transformers, which failed (ValueError", needle)
+    code, err = run_cli(src, out, "--scheme", "dynamic")
+    assert code == 0, err
+
+
+def test_stray_adapter_beside_an_unindexed_checkpoint_is_neither_merged_nor_copied(src, tmp_path):
+    """adapter_model.safetensors was quantized into OUT as if it were the model's; adapter_config.json was copied, so
+    transformers went looking for the adapter's weights and OUT did not load."""
+    from fp8kit import convert
+    from fp8kit.converter.safetensors_io import read_header
+
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 256, dtype=torch.bfloat16)},
+              str(src / "adapter_model.safetensors"))
+    (src / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    out = Path(convert(src, tmp_path / "out", scheme="dynamic").out)
+    names = set(read_header(out / "model.safetensors")[0])
+    assert not any("lora" in n for n in names) and names
+    assert not (out / "adapter_config.json").exists() and not (out / "adapter_model.safetensors").exists()
+
+
+def test_named_chat_templates_are_copied(src, tmp_path):
+    """transformers saves a tokenizer's named templates in additional_chat_templates/: they were dropped."""
+    from fp8kit import convert
+
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    report = convert(src, tmp_path / "out", scheme="dynamic")
+    assert (tmp_path / "out" / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ tools }}"
+    assert "additional_chat_templates/tool_use.jinja" in report.files
+
+
+def test_unreadable_file_in_src_is_named_as_such(src, tmp_path, monkeypatch):
+    """It was reported as 'OUT: cannot write (Permission denied); free disk space'. (Root reads anything, so the
+    denial is simulated.)"""
+    import builtins
+
+    from fp8kit.converter import source
+
+    def guarded(path, *args, **kwargs):
+        if str(path) == str(src / "generation_config.json") and "w" not in (args[0] if args else "r"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(source, "open", guarded, raising=False)
+    out = tmp_path / "out"
+    code, err = run_cli(src, out, "--scheme", "dynamic")
+    assert_clean_failure(code, err, out, f"{src / 'generation_config.json'}: cannot read (Permission denied)")
+
+
+def test_block_with_no_weight_of_a_block_shape_says_so(tmp_path):
+    """SmolLM2-like widths (576, 1536): 'no 2-D Linear weights inside decoder layers were found', yet dynamic quantizes
+    every one of them."""
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1, hidden_size=192, intermediate_size=320,
+                           num_attention_heads=3, num_key_value_heads=1, head_dim=64)
+    out = tmp_path / "out"
+    code, err = run_cli(src, out, "--scheme", "block")
+    assert_clean_failure(code, err, out, "block FP8 needs both dimensions of a weight to be multiples of 128",
+                         "use --scheme dynamic or tensor")
+
+
+def test_model_type_that_is_not_a_string_is_one_line(src, tmp_path):
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "model_type": ["llama"]}))
+    out = tmp_path / "out"
+    code, err = run_cli(src, out, "--scheme", "dynamic")
+    assert_clean_failure(code, err, out, f"{src / 'config.json'}: model_type must be a string")

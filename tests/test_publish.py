@@ -236,3 +236,17 @@ def test_bad_repo_template_is_one_line(tmp_path, hub, src):
     proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "dynamic", "--dry-run", "--org", "me",
                    "--repo-template", "{org}/{model}-fp8", token=None)
     assert proc.returncode == 1 and "--repo-template" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_named_chat_templates_reach_the_staged_variant(tmp_path, src, monkeypatch):
+    """Staging linked the conversion's top-level files only: a subfolder of chat templates would not be uploaded."""
+    from fp8kit.hub import publish as publish_api
+
+    monkeypatch.setenv("FP8KIT_CACHE", str(tmp_path / "fp8cache"))
+    monkeypatch.setenv("FP8KIT_REGISTRY", str(tmp_path / "overlay.toml"))
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    [result] = publish_api(str(src), ["dynamic"], base_model="org/tiny", org="me", dry_run=True,
+                           staging=tmp_path / "staging")
+    staged = tmp_path / "staging" / "me--tiny-FP8-Dynamic" / "additional_chat_templates" / "tool_use.jinja"
+    assert staged.read_text() == "{{ tools }}" and "additional_chat_templates/tool_use.jinja" in result.files

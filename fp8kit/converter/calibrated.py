@@ -8,17 +8,18 @@ fp8kit's own rules for what stays in source precision and its atomic output.
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
 from fp8kit.converter import source
-from fp8kit.converter.calibration import calibration_samples, kv_cache_scheme
+from fp8kit.converter.calibration import calibration_samples, kv_cache_scheme, model_run_error
 from fp8kit.converter.formats import ignore_list
 from fp8kit.converter.output import atomic_directory, check_out
 from fp8kit.converter.schemes import SCHEMES
 from fp8kit.converter.select import select
 from fp8kit.errors import Fp8kitError
+
+RUN_FIX = "use --scheme tensor or dynamic, which read the weights without running the model"
 
 
 def convert_static(src, out, calibration: str | Path | None = None, ignore=(), overwrite: bool = False,
@@ -61,28 +62,38 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     loader = DataLoader([{"input_ids": torch.tensor(s), "attention_mask": torch.ones(len(s), dtype=torch.long)}
                          for s in samples], batch_size=1)
     # on the GPU unless --device cpu: calibration runs the whole model over the text
-    model = AutoModelForCausalLM.from_pretrained(src_path, dtype="auto",
-                                                 device_map=str(dev) if dev.type == "cuda" else None)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src_path, dtype="auto",
+                                                     device_map=str(dev) if dev.type == "cuda" else None)
+    except Exception as e:  # noqa: BLE001 - e.g. a model_type transformers does not know
+        raise model_run_error(src_path, "--scheme tensor-static", e, RUN_FIX) from e
     # the KV-cache scales as llm-compressor measures them, with the static min-max observer that our streaming
     # schemes' --kv-cache fp8 matches (its default observer averages over batches)
     kv_scheme = {**kv_cache_scheme(), "observer": "static_minmax"} if kv_cache else None
     recipe = QuantizationModifier(targets="Linear", scheme="FP8", ignore=ignore_list(sel.keep),
                                   kv_cache_scheme=kv_scheme)
-    with torch.no_grad():
-        oneshot(model=model, dataset=loader, processor=tokenizer, recipe=recipe, num_calibration_samples=len(samples),
-                max_seq_length=seq_len)
+    try:
+        with torch.no_grad():
+            oneshot(model=model, dataset=loader, processor=tokenizer, recipe=recipe,
+                    num_calibration_samples=len(samples), max_seq_length=seq_len)
+    except Fp8kitError:
+        raise
+    except torch.OutOfMemoryError as e:
+        raise Fp8kitError(f"{src_path}: --scheme tensor-static runs the whole model over the calibration text and ran "
+                          f"out of memory on {dev}; free GPU memory, or calibrate on the CPU "
+                          f"(CUDA_VISIBLE_DEVICES=)") from e
+    except Exception as e:  # noqa: BLE001 - e.g. token ids past the embedding table
+        raise model_run_error(src_path, "--scheme tensor-static", e, RUN_FIX) from e
     with atomic_directory(out, overwrite) as partial:
         model.save_pretrained(partial, save_compressed=True, max_shard_size=shard_bytes)
-        for extra in source.extra_files(src_path):
-            if not (partial / extra.name).exists():
-                shutil.copyfile(extra, partial / extra.name)
+        source.copy_extra_files(src_path, partial, keep_existing=True)  # save_pretrained wrote some already
         for stray in ("recipe.yaml",):
             (partial / stray).unlink(missing_ok=True)
         quantized = _fp8_modules(partial)  # what was written, not what was asked for
         if not quantized:
             raise Fp8kitError(f"{src_path}: llm-compressor quantized none of the {len(sel.quantize)} Linear weights "
                               f"selected (they are not torch Linear modules in this architecture); nothing was written")
-    files = sorted(p.name for p in out.iterdir())
+    files = source.folder_files(out)
     return ConvertReport(
         src=str(src), out=str(out), scheme="tensor-static", format="compressed-tensors", device=str(model.device),
         quantized=quantized, ignored=ignore_list(sel.keep), bytes_in=sum(t.nbytes for t in tensors.values()),

@@ -110,6 +110,10 @@ def kv_cache_scales(src_path: Path, calibration: str | Path | None, device: torc
     except torch.OutOfMemoryError as e:
         raise Fp8kitError(f"{src_path}: --kv-cache fp8 runs the whole model over the calibration text and ran out of "
                           f"memory on {device}; pass --device cpu") from e
+    except Fp8kitError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an architecture transformers does not know, token ids past the vocabulary
+        raise model_run_error(src_path, "--kv-cache fp8", e, "convert without --kv-cache") from e
     finally:
         if observer in ALL_ATTENTION_FUNCTIONS:
             del ALL_ATTENTION_FUNCTIONS[observer]
@@ -126,3 +130,10 @@ def kv_cache_scales(src_path: Path, calibration: str | Path | None, device: torc
         module, _, leaf = name.rpartition(".")
         scales[f"{checkpoint_prefix(module, keys)}.{leaf}"] = scale_from_amax(a, scale_dtype).reshape(1).cpu()
     return scales, f"{len(samples)} sequences from {calibration.name}"
+
+
+def model_run_error(src_path: Path, option: str, e: Exception, fix: str) -> Fp8kitError:
+    """One line for a model that transformers cannot load or run over the calibration text."""
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return Fp8kitError(f"{src_path}: {option} runs the model in transformers, which failed ({type(e).__name__}: "
+                       f"{first}); {fix}")

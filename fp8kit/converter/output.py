@@ -54,6 +54,7 @@ def atomic_directory(out: Path, overwrite: bool):
     ok = False
     try:
         yield partial
+        _modes_from_umask(partial)
         if out.exists() and overwrite:
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             out.rename(old)  # onto the empty folder just made
@@ -69,6 +70,15 @@ def atomic_directory(out: Path, overwrite: bool):
             shutil.rmtree(partial, ignore_errors=True)
         if not ok:
             _remove_empty(made)
+
+
+def _modes_from_umask(folder: Path) -> None:
+    """Files and folders get the modes open() and mkdir give under the umask: safetensors' save_file (our KV-cache
+    shard, transformers' save_pretrained) creates 0600 files that another account could not read."""
+    folder_mode = _mkdir_mode()
+    for p in folder.rglob("*"):
+        if not p.is_symlink():
+            p.chmod(folder_mode if p.is_dir() else folder_mode & 0o666)
 
 
 def _mkdir_mode() -> int:

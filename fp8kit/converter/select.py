@@ -144,6 +144,11 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
             raise Fp8kitError("--lm-head and an --ignore pattern matching lm_head contradict each other; drop one")
         sel.quantize.append(_lm_head(tensors, scheme, tied))
         sel.keep.remove("lm_head")
+    if not sel.quantize and by_shape:  # the shapes left nothing (their fused siblings follow them)
+        shape = list(tensors[f"{by_shape[0]}.weight"].shape)
+        raise Fp8kitError(f"{src}: no weights to quantize: block FP8 needs both dimensions of a weight to be "
+                          f"multiples of 128, and {len(by_shape)} Linear weights do not (e.g. "
+                          f"{by_shape[0]} {shape}), which leaves none; use --scheme dynamic or tensor")
     if not sel.quantize:
         raise Fp8kitError(f"{src}: no weights to quantize: no 2-D Linear weights inside decoder layers "
                           f"(model.layers.N...) were found or all were ignored")

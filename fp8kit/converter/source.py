@@ -110,6 +110,8 @@ def weight_files(src: Path) -> list[Path]:
             if not f.is_file():
                 raise Fp8kitError(f"{index}: names shard {f.name}, which is missing; re-download the checkpoint")
         return files
+    if (src / "model.safetensors").is_file():  # unindexed: transformers reads this file alone (a LoRA adapter's
+        return [src / "model.safetensors"]      # adapter_model.safetensors beside it is not the model's)
     files = sorted(p for p in src.glob("*.safetensors") if p.is_file())
     if len(files) > 1:  # Mistral repos hold consolidated.safetensors beside the HF-format shards
         files = [p for p in files if not p.name.startswith("consolidated")] or files
@@ -145,7 +147,41 @@ def is_weight_file(path: Path) -> bool:
     return path.name == INDEX_NAME or path.suffix in WEIGHT_SUFFIXES or path.name.endswith(".safetensors.index.json")
 
 
+CHAT_TEMPLATES_DIR = "additional_chat_templates"  # where transformers saves a tokenizer's named chat templates
+NOT_COPIED = ("config.json", "adapter_config.json")  # rewritten; a PEFT adapter's, whose weights are not carried
+
+
 def extra_files(src: Path) -> list[Path]:
-    """Tokenizer, generation config, chat template, license, processor configs...: copied as they are."""
-    return sorted(p for p in src.iterdir()
-                  if p.is_file() and not p.name.startswith(".") and p.name != "config.json" and not is_weight_file(p))
+    """Tokenizer, generation config, chat templates, license, processor configs...: copied as they are. Paths
+    relative to `src`."""
+    def wanted(p: Path) -> bool:
+        return p.is_file() and not p.name.startswith(".") and p.name not in NOT_COPIED and not is_weight_file(p)
+
+    templates = src / CHAT_TEMPLATES_DIR
+    return sorted([Path(p.name) for p in src.iterdir() if wanted(p)]
+                  + ([Path(CHAT_TEMPLATES_DIR, p.name) for p in templates.iterdir() if wanted(p)]
+                     if templates.is_dir() else []))
+
+
+def copy_extra_files(src: Path, dst: Path, keep_existing: bool = False) -> None:
+    """extra_files(src) copied into `dst`; a file SRC does not let us read is named as such (not as a failure to
+    write OUT)."""
+    import shutil
+
+    for rel in extra_files(src):
+        target = dst / rel
+        if keep_existing and target.exists():
+            continue
+        try:
+            reader = open(src / rel, "rb")
+        except OSError as e:
+            raise Fp8kitError(f"{src / rel}: cannot read ({e.strerror or e}); make it readable, or move it out of "
+                              f"SRC") from e
+        target.parent.mkdir(exist_ok=True)
+        with reader, open(target, "wb") as writer:
+            shutil.copyfileobj(reader, writer)
+
+
+def folder_files(folder: Path) -> list[str]:
+    """Every regular file under `folder`, as sorted relative POSIX paths (chat templates live in a subfolder)."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())

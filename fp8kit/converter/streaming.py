@@ -12,7 +12,6 @@ import json
 import os
 import queue
 import re
-import shutil
 import sys
 import threading
 import time
@@ -142,6 +141,9 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 def read_source(src_path: Path) -> tuple[dict, dict[str, TensorInfo]]:
     """The source's config and tensors, refused when fp8-convert cannot take them (every scheme checks the same)."""
     config = source.load_config(src_path)
+    if not isinstance(config.get("model_type", ""), str):
+        raise Fp8kitError(f"{src_path / 'config.json'}: model_type must be a string such as \"llama\", not "
+                          f"{config['model_type']!r}")
     if config.get("model_type") in TRANSPOSED_LINEARS:
         raise Fp8kitError(f"{src_path / 'config.json'}: model_type {config['model_type']!r} stores its linear "
                           f"weights transposed (Conv1D, [in, out]); fp8-convert does not support it")
@@ -395,13 +397,12 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
                          + sum(t.nbytes for t in kv_scales.values()))
                 _write_json(partial / source.INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
             _write_json(partial / "config.json", config)
-            for extra in source.extra_files(src_path):
-                shutil.copyfile(extra, partial / extra.name)
+            source.copy_extra_files(src_path, partial)
     finally:
         bar.close()
         inputs.close()
 
-    files = sorted(p.name for p in out.iterdir())
+    files = source.folder_files(out)
     return ConvertReport(
         src=str(src), out=str(out), scheme=scheme, format=format, device=str(dev),
         quantized=sel.quantize, ignored=config["quantization_config"].get("ignore",

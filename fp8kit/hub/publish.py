@@ -120,8 +120,11 @@ WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt",
 def _identical_on_hub(api, repo_id: str, staging: Path, remote_files: set[str]) -> bool:
     """True when every staged file is already in the repo with the same content (LFS sha256 or git blob id)
     and the repo holds no other weight files (a stale shard or index would be loaded with ours)."""
-    names = sorted(p.name for p in staging.iterdir() if p.is_file())
     from fnmatch import fnmatch
+
+    from fp8kit.converter.source import folder_files
+
+    names = folder_files(staging)  # chat templates live in a subfolder
 
     extra = [f for f in remote_files if f not in names and any(fnmatch(f, p) for p in WEIGHT_PATTERNS)]
     if extra:
@@ -143,6 +146,8 @@ def _identical_on_hub(api, repo_id: str, staging: Path, remote_files: set[str]) 
 def _stage(conversion: Path, staging: Path, card, provenance: dict) -> dict:
     """Fill a temporary sibling of `staging` and swap it in once complete: a failure leaves the previous
     staging folder (if any) as it was, and no half-filled one."""
+    from fp8kit.converter.source import folder_files
+
     if staging.is_symlink() or (staging.exists() and not staging.is_dir()):
         raise Fp8kitError(f"{staging}: exists and is not a folder; remove it or choose another --staging")
     staging.parent.mkdir(parents=True, exist_ok=True)
@@ -150,13 +155,14 @@ def _stage(conversion: Path, staging: Path, card, provenance: dict) -> dict:
     old = tmp.with_suffix(".old")
     tmp.mkdir()
     try:
-        for p in sorted(conversion.iterdir()):
+        for rel in folder_files(conversion):
             # the card and provenance are written fresh: a hard link would let them overwrite the cache's files
-            if p.is_file() and not p.name.startswith("fp8kit-entry") and p.name not in ("README.md", PROVENANCE):
+            if not rel.startswith("fp8kit-entry") and rel not in ("README.md", PROVENANCE):
+                (tmp / rel).parent.mkdir(exist_ok=True)
                 try:
-                    os.link(p, tmp / p.name)  # the cache and the staging folder share the weight bytes
+                    os.link(conversion / rel, tmp / rel)  # the cache and the staging folder share the weight bytes
                 except OSError:
-                    shutil.copyfile(p, tmp / p.name)
+                    shutil.copyfile(conversion / rel, tmp / rel)
         card.save(tmp / "README.md")
         (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
         if staging.exists():
@@ -171,7 +177,7 @@ def _stage(conversion: Path, staging: Path, card, provenance: dict) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     shutil.rmtree(old, ignore_errors=True)
-    return {p.name: p.stat().st_size for p in sorted(staging.iterdir())}
+    return {rel: (staging / rel).stat().st_size for rel in folder_files(staging)}
 
 
 def _with_retries(fn, attempts: int = 3):

@@ -63,10 +63,11 @@ def _source_commit(src: Path) -> str:
             real.parent.parent.parent == hub_cache:
         return real.name
     h = hashlib.sha256()
-    for p in sorted(src.iterdir()):
+    templates = src / source.CHAT_TEMPLATES_DIR  # copied into the conversion too
+    for p in sorted(src.iterdir()) + (sorted(templates.iterdir()) if templates.is_dir() else []):
         if p.is_file():
             st = p.stat()
-            h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            h.update(f"{p.relative_to(src).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return "local-" + h.hexdigest()[:16]
 
 
@@ -139,7 +140,7 @@ def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -
         # folder must not match it.
         local = Path(name).expanduser()
         marker = {"name": str(local.resolve()) if local.is_dir() else name, "source": str(src), "scheme": scheme,
-                  "format": fmt, "files": {p.name: p.stat().st_size for p in sorted(entry.iterdir())},
+                  "format": fmt, "files": {f: (entry / f).stat().st_size for f in source.folder_files(entry)},
                   "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": report.seconds}
         tmp = entry / (MARKER + ".tmp")
         tmp.write_text(json.dumps(marker, indent=2) + "\n")
@@ -156,7 +157,7 @@ def list_entries() -> list[dict]:
     rows = []
     for marker in sorted(root.glob(f"*/*/*/{MARKER}")):
         entry = marker.parent
-        size = sum(p.stat().st_size for p in entry.iterdir() if p.is_file())
+        size = sum((entry / f).stat().st_size for f in source.folder_files(entry))
         try:
             info = json.loads(marker.read_text())
         except (OSError, ValueError):
