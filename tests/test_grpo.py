@@ -380,3 +380,23 @@ def test_toy_script_refuses_bad_arguments_in_one_line_before_building_anything(t
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     assert proc.stderr.startswith("error: ") and needle in proc.stderr
     assert not (tmp_path / "toy").exists()  # refused before the toy model was pre-trained
+
+
+def test_prompts_reach_the_tokenizer_one_string_at_a_time(tiny_fp8):
+    """The max_seq_length check passed the whole prompt list in one call: a tokenizer that takes one string (as each
+    step calls it; evals/grpo_gpu.py has one) failed with 'unhashable type: list' before the first step."""
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, device="cpu", max_seq_length=64)
+
+    class OneString:
+        pad_token_id, eos_token_id = tok.pad_token_id, tok.eos_token_id
+
+        def __call__(self, text):
+            assert isinstance(text, str), text
+            return tok(text)
+
+        def batch_decode(self, ids, **kwargs):
+            return tok.batch_decode(ids, **kwargs)
+
+    steps = train(model, OneString(), ["the quick", "lazy dog"], [lambda completions, **_: [0.0] * len(completions)],
+                  GRPOConfig(steps=1, prompts_per_step=2, num_generations=2, max_completion_length=4))
+    assert [s["step"] for s in steps] == [1]

@@ -244,7 +244,7 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
         raise Fp8kitError("prompts: expected a non-empty list of strings or of dicts with a 'prompt' string")
     limit = getattr(model, "max_seq_length", None)
     if limit:  # vLLM refuses a prompt past max_model_len mid-run; both engines refuse it here, before any step
-        lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows])["input_ids"]]
+        lengths = [len(tokenizer(r["prompt"])["input_ids"]) for r in rows]  # one at a time, as each step does
         longest = max(range(len(rows)), key=lengths.__getitem__)
         if lengths[longest] >= limit:
             raise Fp8kitError(f"prompt {longest} has {lengths[longest]} tokens, and max_seq_length={limit} leaves no "
