@@ -4,10 +4,10 @@ A stack of Qwen3-8B-shaped decoder layers (hidden 4096, MLP 12288, 32 heads, 8 K
 LoRA rank 32 on every projection; forward + backward of a batch, tokens/s and peak memory, for BF16 (fp8kit's
 LoRA layer and PEFT's forward) and for FP8 with each backend and scheme, eager and under torch.compile, with the
 exact or the FP8 input gradient (fp8bwd), with the layer's default fast accumulation or float32 promotion
-(f32acc). Each FP8 row is compared with the faster BF16 row of its own mode. Backends this
-machine cannot run (fbgemm-gpu-genai or torchao missing, a scheme the library or GPU lacks) get a row with the
-reason instead of numbers. Writes evals/results/fp8_lora.json, rewritten after every variant so that a run cut
-short keeps what it measured.
+(f32acc), and for blocks on the Triton GEMM that GPUs without cuBLAS block scaling run (tritongemm). Each FP8
+row is compared with the faster BF16 row of its own mode. Backends this machine cannot run (fbgemm-gpu-genai or
+torchao missing, a scheme the library or GPU lacks) get a row with the reason instead of numbers. Writes
+evals/results/fp8_lora.json, rewritten after every variant so that a run cut short keeps what it measured.
 
     python evals/bench_fp8_lora.py [--layers 4] [--batch 4] [--seq 2048] [--budget-s 300] [--profile]
                                    [--variants bf16,dynamic/triton/fp8bwd+compile,...]
@@ -103,6 +103,18 @@ def weight_bytes(model) -> int:
 
 
 def measure(variant: str, args) -> dict:
+    from fp8kit.rl import fp8_linear
+
+    cublas_block_scaling = fp8_linear.cublas_block_scaling
+    if not variant.startswith("bf16") and "tritongemm" in fp8_variant(variant)[2]:
+        fp8_linear.cublas_block_scaling = lambda device: False
+    try:
+        return _measure(variant, args)
+    finally:
+        fp8_linear.cublas_block_scaling = cublas_block_scaling
+
+
+def _measure(variant: str, args) -> dict:
     model = build(args.layers, variant, args.rank)
     weights = weight_bytes(model)
     x = torch.randn(args.batch, args.seq, QWEN3_8B["hidden_size"], device="cuda", dtype=torch.bfloat16)
@@ -163,7 +175,9 @@ DEFAULT_VARIANTS = ("bf16,bf16-peft,dynamic/torch,dynamic/triton,dynamic/triton/
                     "dynamic/fbgemm,block/fbgemm,tensor/fbgemm,dynamic/torchao,tensor/torchao,block/torchao")
 
 
-OPTIONS = ("fp8bwd", "f32acc")
+# fp8bwd: the input gradient in FP8 too; f32acc: no fast accumulation; tritongemm: block GEMMs on fp8kit's Triton
+# kernel, as on GPUs where cuBLAS cannot scale blocks (L4, RTX 40/50, Blackwell), instead of cuBLAS
+OPTIONS = ("fp8bwd", "f32acc", "tritongemm")
 
 
 def fp8_variant(variant: str) -> tuple[str, str, set[str]]:
@@ -220,9 +234,10 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS,
-                    help="comma-separated: bf16, bf16-peft and scheme/backend[/fp8bwd][/f32acc], each optionally "
-                         "+compile (fp8bwd: the input-gradient GEMM in FP8 too; f32acc: FP8 GEMMs without fast "
-                         "accumulation; +compile: torch.compile each decoder layer)")
+                    help="comma-separated: bf16, bf16-peft and scheme/backend[/fp8bwd][/f32acc][/tritongemm], each "
+                         "optionally +compile (fp8bwd: the input-gradient GEMM in FP8 too; f32acc: FP8 GEMMs without "
+                         "fast accumulation; tritongemm: block GEMMs on fp8kit's Triton kernel, as off SM90; "
+                         "+compile: torch.compile each decoder layer)")
     ap.add_argument("--profile", action="store_true", help="add each variant's GPU time per kernel for one step")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new variant after this many seconds (those left get a 'skipped' row)")

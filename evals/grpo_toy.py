@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 DIGITS = "0123456789"
 PROMPT_DIGITS, ANSWER = 6, 6
 COPY_SHARE = 0.25  # pre-training examples that follow the rule
+LORA_RANK = 8
 
 
 def prompt_text(rng: random.Random) -> str:
@@ -124,12 +125,15 @@ def run(args):
     from fp8kit.rl.grpo import GRPOConfig, train
     from fp8kit.rl.loader import check_device
     from fp8kit.rl.model import load_model
+    from fp8kit.rl.vllm_engine import check_rollout_arguments
 
     # checked before the toy model is pre-trained and converted
     config = GRPOConfig(steps=args.steps, prompts_per_step=8, num_generations=8, max_completion_length=ANSWER + 2,
                         learning_rate=5e-3, loss_type=args.loss_type, seed=args.seed, output_dir=args.output_dir,
                         save_steps=args.save_steps)
     check_device(args.device)
+    if args.vllm:
+        check_rollout_arguments(getattr(torch, args.dtype), LORA_RANK)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="grpo-toy-"))
     t0 = time.perf_counter()
@@ -144,7 +148,7 @@ def run(args):
                 convert(src, checkpoint, scheme="dynamic")
     prepared_s = time.perf_counter() - t0
     model, tokenizer = load_model(checkpoint, load_in_fp8=not args.bf16, dtype=getattr(torch, args.dtype),
-                                  max_seq_length=32, lora_rank=8, lora_alpha=16, fast_inference=args.vllm,
+                                  max_seq_length=32, lora_rank=LORA_RANK, lora_alpha=16, fast_inference=args.vllm,
                                   device=args.device)
     rng = random.Random(1234)
     prompts = [prompt_text(rng) for _ in range(512)]

@@ -10,6 +10,7 @@ BACKENDS = {"triton": {"schemes": ["dynamic", "block", "tensor"], "unsupported":
 
 def test_variant_names_are_read_with_their_options():
     assert fp8_variant("dynamic/triton/fp8bwd/f32acc+compile") == ("dynamic", "triton", {"fp8bwd", "f32acc"})
+    assert fp8_variant("block/triton/fp8bwd/tritongemm+compile") == ("block", "triton", {"fp8bwd", "tritongemm"})
     assert fp8_variant("block/torch") == ("block", "torch", set())
     with pytest.raises(ValueError, match=r"unknown option \['fp8bwdd'\]"):
         fp8_variant("tensor/triton/fp8bwdd")

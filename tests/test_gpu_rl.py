@@ -82,6 +82,63 @@ def test_triton_grad_quantizer_and_transpose_write_torch_bytes(scheme):
     assert torch.equal(transpose_fp8(w).view(torch.uint8), w.t().contiguous().view(torch.uint8))
 
 
+@pytest.mark.parametrize("m,n,k", [(512, 1024, 2048), (300, 200, 384), (1, 384, 256), (1, 256, 512),
+                                   (257, 384, 896), (4096, 3072, 1024)])
+def test_triton_block_gemm_matches_float64(m, n, k):
+    """fp8kit's Triton block GEMM (what block layers run where cuBLAS cannot scale blocks) against a float64
+    product of the same FP8 operands, for sizes that are not tile multiples too; on SM90 also the dispatching op
+    (cuBLAS, one token among the cases; Triton for a partial row block and for K/128 not a multiple of 4)."""
+    from fp8kit.rl.fp8_linear import block_scaled_mm, cublas_block_scaling
+    from fp8kit.rl.triton_block_gemm import block_scaled_mm_triton
+
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    xq, xs = quantize_activation(torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16) * 3, "block")
+    rows = -(-n // 128) * 128  # the converter's block scales cover a partial last block: quantize padded, keep n rows
+    wq, ws = quantize_weight(torch.randn(rows, k, device="cuda", generator=g) * 0.02, SCHEMES["block"], torch.float32)
+    wq = wq[:n].contiguous()
+    want = ((xq.double().reshape(m, -1, 128) * xs.double()[:, :, None]).reshape(m, k)
+            @ (wq.double() * ws.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)).t())
+    # Triton's FP8 dot accumulates each 128-long block product as Hopper's fast accumulation does (its SM90
+    # default max_num_imprecise_acc), then in float32 across blocks, as vLLM's kernel does
+    for dtype, tol in [(torch.bfloat16, 5e-3), (torch.float16, 3e-3), (torch.float32, 2e-3)]:
+        got = block_scaled_mm_triton(xq, wq, xs, ws, dtype)
+        assert got.dtype == dtype and got.shape == (m, n)
+        assert ((got.double() - want).norm() / want.norm()) < tol, dtype
+    if cublas_block_scaling(xq.device):
+        cublas = block_scaled_mm(xq, wq, xs, ws, torch.bfloat16)
+        assert ((cublas.double() - want).norm() / want.norm()) < 5e-3
+
+
+@pytest.mark.parametrize("fp8_backward", [False, True])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_block_layer_with_a_token_count_not_a_multiple_of_4_matches_reference(fp8_backward, compiled):
+    """7 tokens (a batch-1 prefill of an odd length; one token is a decode step): an H100's cuBLAS refuses block
+    scaling for such M, so the op pads it; forward and backward, eager and compiled, give the reference function."""
+    torch._dynamo.reset()
+    want, got = layer("block", "reference", fp8_backward=fp8_backward), layer("block", "triton",
+                                                                             fp8_backward=fp8_backward)
+    _same_function(want, got, (1, 7, 2048), out_tol=5e-3, grad_tol=1e-2,
+                   run_got=torch.compile(got, fullgraph=True) if compiled else None)
+    with torch.no_grad():
+        one = torch.randn(1, 1, 2048, device="cuda", dtype=torch.bfloat16)
+        assert ((got(one).float() - want(one).float()).norm() / want(one).float().norm()) < 5e-3
+
+
+@pytest.mark.parametrize("fp8_backward", [False, True])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_block_layer_on_the_triton_gemm_matches_reference(monkeypatch, fp8_backward, compiled):
+    """A block layer on a GPU without cuBLAS block scaling (L4, RTX 40/50, Blackwell; simulated here by turning
+    the cuBLAS path off) computes the reference function, forward and backward, eager and compiled."""
+    from fp8kit.rl import fp8_linear
+
+    monkeypatch.setattr(fp8_linear, "cublas_block_scaling", lambda device: False)
+    torch._dynamo.reset()
+    want, got = layer("block", "reference", fp8_backward=fp8_backward), layer("block", "triton",
+                                                                             fp8_backward=fp8_backward)
+    _same_function(want, got, (4, 256, 2048), out_tol=5e-3, grad_tol=1e-2,
+                   run_got=torch.compile(got, fullgraph=True) if compiled else None)
+
+
 @pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_compiled_layer_matches_eager(scheme, backend):
@@ -143,6 +200,23 @@ def test_loaded_model_on_cuda(tmp_path, llama_dir):
     # activations to the next FP8 value (6% steps), which this small random model amplifies to ~3% of the
     # logits (measured on an H200 with the reference backend on both sides); a broken load is off by ~100%.
     assert (a - b).norm() / a.norm() < 0.1
+
+
+def test_block_model_generates_one_sequence_on_cuda(tmp_path, llama_dir):
+    """A block checkpoint decodes a batch of one (one token per step, a 7-token prompt first) on the GPU: with
+    hidden 256 and MLP 512, the layers take both the Triton GEMM (K/128 = 2) and cuBLAS with padded M (K = 512),
+    and the logits of the prompt agree with the CPU load as in test_loaded_model_on_cuda."""
+    from fp8kit import convert
+
+    out = convert(llama_dir, tmp_path / "fp8", scheme="block").out
+    ids = torch.randint(3, 512, (1, 7), generator=torch.Generator().manual_seed(0))
+    cpu = load_fp8_model(out, dtype=torch.float32, lora_rank=4)
+    gpu = load_fp8_model(out, dtype=torch.bfloat16, lora_rank=4, device="cuda")
+    with torch.no_grad():
+        a, b = cpu(input_ids=ids).logits, gpu(input_ids=ids.cuda()).logits.float().cpu()
+        seq = gpu.generate(input_ids=ids.cuda(), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert (a - b).norm() / a.norm() < 0.1
+    assert seq.shape == (1, 12) and torch.equal(seq[0, :7].cpu(), ids[0])
 
 
 def test_device_index_and_name_load_on_that_gpu(tmp_path, llama_dir):

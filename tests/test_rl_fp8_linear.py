@@ -274,6 +274,133 @@ def test_library_backend_support_matrix(monkeypatch):
     assert "CUDA" in kernel_backends.unsupported("torchao", "block", torch.device("cpu"), bf16)
 
 
+def test_block_layers_run_on_every_fp8_gpu(monkeypatch):
+    """cuBLAS scales 128x128 blocks on SM90 only: on SM89 (L4, RTX 40), SM100 and SM120 the built-in backends run
+    block layers on fp8kit's Triton GEMM, and without Triton say so instead of listing block as runnable."""
+    import sys
+    import types
+
+    from fp8kit.rl.fp8_linear import available_backends, cublas_block_scaling
+
+    gpu = torch.device("cuda", 0)
+    every = ["dynamic", "block", "tensor"]
+    for capability in [(8, 9), (9, 0), (10, 0), (12, 0)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert cublas_block_scaling(gpu) is (capability == (9, 0))
+        monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))  # importable
+        report = available_backends(gpu)
+        assert report["torch"]["schemes"] == every and report["triton"]["schemes"] == every, (capability, report)
+        monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+        report = available_backends(gpu)
+        assert report["triton"]["schemes"] == []
+        if capability == (9, 0):
+            assert report["torch"]["schemes"] == every
+        else:
+            assert report["torch"]["schemes"] == ["dynamic", "tensor"]
+            assert "install triton" in report["torch"]["unsupported"]["block"]
+
+
+@pytest.mark.parametrize("fp8_backward", [False, True])
+def test_block_gemm_off_sm90_goes_to_the_triton_kernel(monkeypatch, fp8_backward):
+    """Where cuBLAS cannot scale blocks, the forward and the FP8 input-gradient GEMMs call
+    triton_block_gemm.block_scaled_mm_triton with its documented operands (x [M, K] with scales [M, K/128], weight
+    [N, K] with scales [N/128, K/128]); here a float64 stand-in with that contract replaces the Triton kernel on the
+    CPU, and the layer must compute the reference backend's function."""
+    import sys
+    import types
+
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+    from fp8kit.rl import fp8_linear
+
+    calls = []
+
+    def stand_in(xq, weight, xs, ws, out_dtype):
+        (m, k), n = xq.shape, weight.shape[0]
+        assert xs.shape == (m, k // 128) and ws.shape == (-(-n // 128), k // 128), (xq.shape, weight.shape, xs.shape,
+                                                                                   ws.shape)
+        calls.append((m, n, k))
+        x = (xq.double().reshape(m, -1, 128) * xs.double()[:, :, None]).reshape(m, k)
+        w = weight.double() * ws.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
+        return (x @ w.t()).to(out_dtype)
+
+    kernel = types.ModuleType("fp8kit.rl.triton_block_gemm")
+    kernel.block_scaled_mm_triton = stand_in
+    monkeypatch.setitem(sys.modules, "fp8kit.rl.triton_block_gemm", kernel)
+    monkeypatch.setattr(fp8_linear, "cublas_block_scaling", lambda device: False)
+    g = torch.Generator().manual_seed(7)
+    w_q, w_s = quantize_weight(torch.randn(256, 384, generator=g) * 0.05, SCHEMES["block"], torch.float32)
+    x = torch.randn(2, 5, 384, generator=g)
+    up = torch.randn(2, 5, 256, generator=g)
+    out = {}
+    for backend in ("reference", "torch"):
+        layer = FP8LoRALinear(w_q, w_s, "block", rank=4, dtype=torch.float32, backend=backend,
+                              fp8_backward=fp8_backward)
+        with torch.no_grad():
+            layer.lora_A.copy_(torch.randn(4, 384, generator=torch.Generator().manual_seed(9)) * 0.05)
+            layer.lora_B.copy_(torch.randn(256, 4, generator=torch.Generator().manual_seed(8)))
+        xx = x.clone().requires_grad_()
+        y = layer(xx)
+        (y * up).sum().backward()
+        out[backend] = (y, xx.grad)
+    assert calls == [(10, 256, 384)] + ([(10, 384, 256)] if fp8_backward else [])
+    for a, b in zip(out["torch"], out["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 256, 512), (7, 384, 2048), (12, 384, 2048), (10, 384, 896), (10, 200, 512)])
+def test_block_gemm_on_sm90_hands_cublas_the_scale_layout_torch_checks(monkeypatch, m, n, k):
+    """On SM90 the block op calls F.scaled_mm with scales laid out as torch requires (its _meta_registrations.py,
+    1x128 x 128x128): activation scales [M, K/128] with strides (1, M), weight scales [K/128, N/128] with strides
+    (1, K/128), and M a multiple of 4 (one token, or 7, padded with zero rows: an H100's cuBLAS refuses others);
+    shapes cuBLAS refuses (K/128 not a multiple of 4) or cannot scale (a partial last row block) go to the Triton
+    kernel. Stand-ins enforce that contract on the CPU
+    and compute in float64; the result must be the float64 product of the dequantized operands."""
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+    from fp8kit.rl import fp8_linear
+
+    calls = []
+
+    def product(xq, xs, weight, ws):
+        x = (xq.double().reshape(xq.shape[0], -1, 128) * xs.double()[:, :, None]).reshape(xq.shape)
+        w = weight.double() * ws.double().repeat_interleave(128, 0)[:weight.shape[0]].repeat_interleave(128, 1)
+        return x @ w.t()
+
+    def scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype):
+        (mm, kk), nn_ = a.shape, b.shape[1]
+        assert recipe_a == F.ScalingType.BlockWise1x128 and recipe_b == F.ScalingType.BlockWise128x128
+        assert kk % 512 == 0 and nn_ % 128 == 0 and mm % 4 == 0, (mm, kk, nn_)
+        assert scale_a.shape == (mm, kk // 128) and scale_a.stride() == (1, mm), (scale_a.shape, scale_a.stride())
+        assert scale_b.shape == (kk // 128, nn_ // 128) and scale_b.stride() == (1, kk // 128), scale_b.stride()
+        calls.append("cublas")
+        return product(a, scale_a, b.t(), scale_b.t()).to(output_dtype)
+
+    def triton(xq, weight, xs, ws, out_dtype):
+        calls.append("triton")
+        return product(xq, xs, weight, ws).to(out_dtype)
+
+    kernel = types.ModuleType("fp8kit.rl.triton_block_gemm")
+    kernel.block_scaled_mm_triton = triton
+    monkeypatch.setitem(sys.modules, "fp8kit.rl.triton_block_gemm", kernel)
+    monkeypatch.setattr(fp8_linear, "cublas_block_scaling", lambda device: True)
+    monkeypatch.setattr(F, "scaled_mm", scaled_mm)
+    g = torch.Generator().manual_seed(m + n + k)
+    xq, xs = fp8_linear.quantize_activation(torch.randn(m, k, generator=g) * 3, "block")
+    rows = -(-n // 128) * 128  # a partial last block (as fp8-format checkpoints may have): quantize padded, keep n
+    wq, ws = quantize_weight(torch.randn(rows, k, generator=g) * 0.02, SCHEMES["block"], torch.float32)
+    wq = wq[:n].contiguous()
+    got = fp8_linear.block_scaled_mm(xq, wq, xs, ws, torch.float32)
+    assert calls == ["triton" if n % 128 or k % 512 else "cublas"]
+    assert got.shape == (m, n) and got._base is None  # not a view: layers add their bias in place
+    want = (fp8_linear._dequantize_activation(xq, xs, "block").double()
+            @ fp8_linear.dequantize_weight(wq, ws, "block", torch.float64).t())
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
 def test_fp8_backward_is_the_fp8_product_of_the_quantized_gradient(scheme):
     """fp8_backward=True: the input gradient is quantize_grad(g) @ W in FP8, within e4m3's rounding of the exact

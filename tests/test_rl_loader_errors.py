@@ -336,3 +336,49 @@ def test_vllm_rollouts_on_a_second_gpu_are_refused_before_anything_loads(monkeyp
     with pytest.raises(Fp8kitError) as e:  # a name the registry does not know: the device check comes first
         rl_model.load_model("org/not-a-model", device="cuda:1")
     _one_line(e, "device='cuda:1'", "CUDA_VISIBLE_DEVICES=1", "fast_inference=False")
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "cpu:1", torch.device("cpu", 3)])
+def test_any_cpu_index_means_the_cpu(fp8_dir, device):
+    """'cpu:1' passed the device check, then safetensors refused it with a message blaming the checkpoint."""
+    from fp8kit.rl.loader import check_device
+
+    model = load_fp8_model(fp8_dir, dtype=torch.float32, lora_rank=4, device=device)
+    assert check_device(device) == torch.device("cpu")
+    assert {p.device for p in model.parameters()} == {torch.device("cpu")}
+
+
+@pytest.mark.parametrize("kwargs,needle", [(dict(dtype=torch.float32, lora_rank=8), "need torch.bfloat16"),
+                                           (dict(lora_rank=4), "vLLM serves LoRA ranks")], ids=["float32", "rank"])
+def test_vllm_arguments_are_refused_before_any_conversion(monkeypatch, llama_dir, kwargs, needle):
+    """vLLM's dtype and LoRA rank checks ran only after the checkpoint had been converted (minutes for a large one)."""
+    import fp8kit.rl.model as rl_model
+
+    converted = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(rl_model, "_vllm_available", lambda: True)
+    monkeypatch.setattr(rl_model, "_checkpoint", lambda *a: converted.append(a) or pytest.fail("converted first"))
+    with pytest.raises(Fp8kitError) as e:
+        rl_model.load_model(str(llama_dir), device="cuda", **kwargs)
+    _one_line(e, needle)
+    assert not converted
+
+
+def test_local_model_path_is_stored_expanded_and_absolute(fp8_dir, tmp_path, monkeypatch):
+    """load_model('~/x') named the base '~/x' in saved adapters, a path peft cannot open."""
+    from fp8kit.models import add_tokenizer
+    from fp8kit.rl.model import load_model
+
+    home = tmp_path / "home"
+    local = home / "models" / "tiny"
+    shutil.copytree(fp8_dir, local)
+    add_tokenizer(local, "the quick brown fox jumps over the lazy dog " * 20, vocab_size=300)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(home)
+    for name in ("~/models/tiny", "models/tiny"):
+        model, _ = load_model(name, lora_rank=4, dtype=torch.float32, device="cpu")
+        assert model.name_or_path == str(local.resolve())
+        save_adapter(model, tmp_path / "adapter")
+        saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+        assert saved["base_model_name_or_path"] == str(local.resolve())

@@ -64,16 +64,39 @@ def _dequantize_activation(q: torch.Tensor, scale: torch.Tensor, scheme: str) ->
     return q.float() * scale
 
 
+def cublas_block_scaling(device: torch.device) -> bool:
+    """Whether F.scaled_mm's 1x128 x 128x128 block scaling runs on this GPU: cuBLAS has it on SM90 only
+    (torch's test_matmul_cuda.py expects every other architecture to fail it)."""
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
 @torch.library.custom_op("fp8kit::block_scaled_mm", mutates_args=())
 def block_scaled_mm(xq: torch.Tensor, weight: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:
     """(xq * xs per 1x128 group) @ (weight * ws per 128x128 block).T: xq [M, K], weight [N, K], xs [M, K/128],
     ws [N/128, K/128], all row-major. A custom op because torch.compile (torch 2.11) cannot trace
-    F.scaled_mm's block-wise path; as an opaque op it stays inside one graph."""
-    # cuBLAS block scaling wants outer-dim-major scales: activation scales [M, K/128] with strides (1, M),
-    # weight scales as [K/128, N/128] with strides (1, K/128), i.e. ws.t() (checked on an H200).
-    return F.scaled_mm(xq, weight.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128,
-                       ws.t(), F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    F.scaled_mm's block-wise path; as an opaque op it stays inside one graph. cuBLAS scales blocks on SM90 only;
+    other GPUs (L4, RTX 40/50, Blackwell) run the same arithmetic as a Triton kernel, as vLLM does there."""
+    if not cublas_block_scaling(xq.device) or weight.shape[0] % GROUP or xq.shape[1] % (4 * GROUP):
+        from fp8kit.rl.triton_block_gemm import block_scaled_mm_triton
+
+        return block_scaled_mm_triton(xq, weight, xs, ws, out_dtype)
+    # cuBLAS block scaling (torch/_meta_registrations.py, is_1x128_128x128) wants outer-dim-major scales:
+    # activation scales [M, K/128] with strides exactly (1, M), weight scales [K/128, N/128] with strides
+    # (1, K/128), i.e. ws.t() (checked on an H200). Probed on an H100 (cuBLAS of torch 2.11+cu130), it refuses
+    # with CUBLAS_STATUS_NOT_SUPPORTED any M not a multiple of 4 (scale columns not 16-byte aligned) and any K/128
+    # not a multiple of 4, even with scales zero-padded as torch's check allows; torch also takes N // 128 weight
+    # blocks. So M is padded with up to 3 zero rows (one token of a batch-1 decode, an odd packed length), and a
+    # partial last row block or such a K (Qwen2.5-1.5B's 8960, Gemma3-1B's 1152) goes to the Triton kernel above.
+    m = xq.shape[0]
+    pad = -m % 4
+    if pad:
+        xq = torch.cat([xq, xq.new_zeros(pad, xq.shape[1])])
+        xs = torch.cat([xs, xs.new_ones(pad, xs.shape[1])])
+    xs_cm = torch.empty_strided(xs.shape, (1, xs.shape[0]), dtype=xs.dtype, device=xs.device).copy_(xs)
+    out = F.scaled_mm(xq, weight.t(), xs_cm, F.ScalingType.BlockWise1x128,
+                      ws.contiguous().t(), F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    return out[:m].clone() if pad else out  # a custom op's output must not be a view (callers add bias in place)
 
 
 @block_scaled_mm.register_fake

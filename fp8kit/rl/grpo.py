@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -94,8 +96,17 @@ class GRPOConfig:
             raise Fp8kitError(f"adam_betas={betas!r}: expected two numbers in [0, 1), e.g. (0.9, 0.99)")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise Fp8kitError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
-        if self.reward_weights is not None and not all(isinstance(w, (int, float)) for w in self.reward_weights):
-            raise Fp8kitError("reward_weights: expected a list of numbers, one per reward function")
+        weights = self.reward_weights
+        if weights is not None:  # a NaN or inf weight makes every advantage NaN: each update would be skipped
+            if not (isinstance(weights, (list, tuple)) and all(
+                    not isinstance(w, bool) and isinstance(w, numbers.Real) and math.isfinite(w) for w in weights)):
+                raise Fp8kitError(f"reward_weights={weights!r}: expected a list of finite numbers, one per reward "
+                                  f"function, e.g. [1.0, 0.5]")
+            self.reward_weights = [float(w) for w in weights]
+        if self.output_dir is not None:  # stored as str: the checkpoint's trainer_state.json holds the config
+            if not isinstance(self.output_dir, (str, os.PathLike)):
+                raise Fp8kitError(f"output_dir={self.output_dir!r}: expected a folder path (str or pathlib.Path)")
+            self.output_dir = os.fspath(self.output_dir)
         if self.save_steps and not self.output_dir:
             raise Fp8kitError("save_steps needs output_dir")
         if self.epsilon_high is None:
@@ -242,9 +253,12 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     rows = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
     if not rows or not all(isinstance(r.get("prompt"), str) for r in rows):
         raise Fp8kitError("prompts: expected a non-empty list of strings or of dicts with a 'prompt' string")
+    lengths = [len(tokenizer(r["prompt"])["input_ids"]) for r in rows]  # one at a time, as each step does
+    if 0 in lengths:  # generate needs a last prompt token to continue from
+        raise Fp8kitError(f"prompt {lengths.index(0)} tokenizes to no tokens (an empty prompt, and the tokenizer adds "
+                          f"no BOS): give it some text or drop it")
     limit = getattr(model, "max_seq_length", None)
     if limit:  # vLLM refuses a prompt past max_model_len mid-run; both engines refuse it here, before any step
-        lengths = [len(tokenizer(r["prompt"])["input_ids"]) for r in rows]  # one at a time, as each step does
         longest = max(range(len(rows)), key=lengths.__getitem__)
         if lengths[longest] >= limit:
             raise Fp8kitError(f"prompt {longest} has {lengths[longest]} tokens, and max_seq_length={limit} leaves no "

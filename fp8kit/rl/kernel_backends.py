@@ -218,8 +218,10 @@ def available_backends(device: torch.device | str | None = None) -> dict[str, di
                 why = f"backend {name!r} runs on CUDA GPUs only"
             elif capability < (8, 9):
                 why = f"FP8 GEMMs need SM89+, this GPU is SM{capability[0]}{capability[1]}"
-            elif scheme == "block" and capability < (9, 0):
-                why = "cuBLAS 1x128 x 128x128 block scaling needs SM90+"
+            elif scheme == "block" and capability[0] != 9 and no_triton:
+                # cuBLAS scales blocks on SM90 only; elsewhere the block GEMM is fp8kit's Triton kernel
+                why = (f"block GEMMs on SM{capability[0]}{capability[1]} need Triton (cuBLAS scales 128x128 blocks "
+                       f"on SM90 only): install triton")
             else:
                 why = no_triton if name == "triton" else None
             if why:

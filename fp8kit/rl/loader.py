@@ -108,7 +108,8 @@ def _read_tensor(file: Path, key: str, device: str) -> torch.Tensor:
 
 def check_device(device) -> torch.device:
     """'cpu', 'cuda', 'cuda:N', an index or a torch.device, checked against the GPUs visible here; as a torch.device
-    (an index means that CUDA GPU, also on machines where torch.device(int) would fail for want of one)."""
+    (an index means that CUDA GPU, also on machines where torch.device(int) would fail for want of one; 'cpu:N' is
+    the CPU)."""
     shown = repr(str(device)) if isinstance(device, torch.device) else repr(device)
     try:
         dev = torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool) \
@@ -121,7 +122,7 @@ def check_device(device) -> torch.device:
         raise Fp8kitError(f"device={shown}: no CUDA GPU is visible here; use device='cpu'")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise Fp8kitError(f"device={shown}: only {torch.cuda.device_count()} CUDA GPU(s) are visible here")
-    return dev
+    return torch.device("cpu") if dev.type == "cpu" else dev  # safetensors refuses 'cpu:N'; there is one CPU device
 
 
 def lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout=0.0, device=None) -> set[str]:

@@ -10,6 +10,7 @@ import torch
 from fp8kit.errors import Fp8kitError
 from fp8kit.rl.loader import check_device, load_fp8_model, load_lora_model, lora_targets, read_config
 from fp8kit.rl.rollout import HFRollout
+from fp8kit.rl.vllm_engine import check_rollout_arguments
 
 
 def _vllm_available() -> bool:
@@ -49,6 +50,8 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
         # and the trainer's weights are views of its parameters: they cannot live on another GPU.
         raise Fp8kitError(f"device={str(device)!r}: vLLM rollouts run on cuda:0 of this process; pick the GPU with "
                           f"CUDA_VISIBLE_DEVICES={device.index} and pass device='cuda', or pass fast_inference=False")
+    if with_vllm:  # before _checkpoint, which may convert the model
+        check_rollout_arguments(dtype, lora_rank)
     path = _checkpoint(str(name), load_in_fp8)
     scheme = read_config(path)[1]
     lora = dict(lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules)
@@ -70,7 +73,8 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
         tokenizer.pad_token = tokenizer.eos_token
     model.rollout_engine = engine or HFRollout(model, tokenizer)
     model.max_seq_length = max_seq_length
-    model.name_or_path = str(name)
+    local = Path(name).expanduser()  # saved adapters name their base by it: peft opens neither '~' nor a relative path
+    model.name_or_path = str(local.resolve()) if local.is_dir() else str(name)
     return model, tokenizer
 
 

@@ -131,16 +131,22 @@ def rollout_engine_kwargs(quantization_config: dict, engine_kwargs: dict) -> dic
     return kwargs
 
 
-def rollout_llm_kwargs(path: str | Path, dtype: torch.dtype, max_seq_length: int, gpu_memory_utilization: float,
-                       lora_rank: int, target_modules, engine_kwargs: dict) -> dict:
-    """Every argument the rollout engine's vllm.LLM gets besides the path, the input checked first."""
-    from fp8kit.rl.loader import DEFAULT_TARGETS
-
+def check_rollout_arguments(dtype: torch.dtype, lora_rank: int) -> None:
+    """vLLM's refusals of the dtype and the LoRA rank; load_model and grpo_toy make them before converting a
+    checkpoint (after, they would cost the conversion)."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise Fp8kitError(f"dtype {dtype}: vLLM rollouts need torch.bfloat16 or torch.float16")
     if lora_rank and lora_rank not in LORA_RANKS:
         raise Fp8kitError(f"lora_rank={lora_rank}: vLLM serves LoRA ranks {', '.join(map(str, LORA_RANKS))}; "
                           f"pick one of them (or fast_inference=False)")
+
+
+def rollout_llm_kwargs(path: str | Path, dtype: torch.dtype, max_seq_length: int, gpu_memory_utilization: float,
+                       lora_rank: int, target_modules, engine_kwargs: dict) -> dict:
+    """Every argument the rollout engine's vllm.LLM gets besides the path, the input checked first."""
+    from fp8kit.rl.loader import DEFAULT_TARGETS
+
+    check_rollout_arguments(dtype, lora_rank)
     config_file = Path(path) / "config.json"
     qc = (json.loads(config_file.read_text()).get("quantization_config") or {}) if config_file.exists() else {}
     if any("lm_head" in g.get("targets", ()) for g in qc.get("config_groups", {}).values()):

@@ -1,0 +1,91 @@
+"""Bad GRPO input refused in one Fp8kitError line before training starts (each was accepted, then failed or
+silently did nothing mid-run), and the toy script's refusals before it builds anything."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8kit import convert
+from fp8kit.errors import Fp8kitError
+from fp8kit.models import add_tokenizer, build_checkpoint
+from fp8kit.rl.grpo import GRPOConfig, train
+from fp8kit.rl.model import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = ROOT / "evals" / "grpo_toy.py"
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8(tmp_path_factory):
+    """A tiny FP8 Llama whose tokenizer adds no BOS token (the empty string has no tokens)."""
+    src = build_checkpoint(tmp_path_factory.mktemp("grpo-errors") / "llama", "llama", torch.bfloat16, seed=3)
+    add_tokenizer(src, "the quick brown fox jumps over the lazy dog " * 50, vocab_size=300)
+    return convert(src, src.parent / "llama-fp8", scheme="dynamic").out
+
+
+def _zero(completions, **_):
+    return [0.0] * len(completions)
+
+
+def test_output_dir_as_a_path_is_kept_as_a_string_and_checkpoints(tiny_fp8, tmp_path):
+    """A pathlib.Path was accepted, then json.dumps of the config failed at the first checkpoint."""
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2,
+                        output_dir=tmp_path / "run", save_steps=1)
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    train(model, tok, ["the quick"], [_zero], config)
+    assert config.output_dir == str(tmp_path / "run")
+    state = json.loads((tmp_path / "run" / "checkpoint-1" / "trainer_state.json").read_text())
+    assert state["config"]["output_dir"] == str(tmp_path / "run")
+    with pytest.raises(Fp8kitError) as e:
+        GRPOConfig(output_dir=3)
+    assert str(e.value).startswith("output_dir=3:") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", [1.0, [float("nan")], [float("inf")], [True], ["1"], [1.0, None]],
+                         ids=["not-a-list", "nan", "inf", "bool", "string", "none"])
+def test_reward_weights_must_be_a_list_of_finite_numbers(value):
+    """1.0 gave a raw TypeError; NaN or inf weights made every advantage NaN and every update was skipped."""
+    with pytest.raises(Fp8kitError) as e:
+        GRPOConfig(reward_weights=value)
+    assert str(e.value).startswith(f"reward_weights={value!r}:") and "\n" not in str(e.value), e.value
+    assert "one per reward function" in str(e.value)
+
+
+def test_reward_weights_as_a_tuple_are_accepted():
+    assert GRPOConfig(reward_weights=(1, 0.5)).reward_weights == [1.0, 0.5]
+
+
+def test_prompt_without_tokens_is_refused_before_training(tiny_fp8):
+    """The empty string (no BOS added) reached generate and failed with a raw IndexError."""
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    assert tok("")["input_ids"] == []
+    calls = []
+
+    def reward(completions, **_):
+        calls.append(1)
+        return [0.0] * len(completions)
+
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
+    for prompts, index in (([""], 0), (["the quick", "", "lazy dog"], 1)):
+        with pytest.raises(Fp8kitError) as e:
+            train(model, tok, prompts, [reward], config)
+        assert str(e.value).startswith(f"prompt {index} ") and "\n" not in str(e.value), e.value
+    model.max_seq_length = None  # checked also without a length limit
+    with pytest.raises(Fp8kitError, match="prompt 0 "):
+        train(model, tok, [{"prompt": ""}], [reward], config)
+    assert not calls  # refused before any rollout
+
+
+def test_toy_script_refuses_vllm_with_float32_before_building_anything(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(TOY), "--workdir", str(tmp_path / "toy"), "--vllm", "--dtype",
+                           "float32", "--steps", "1"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith("error: ") and "float32" in proc.stderr and "vLLM" in proc.stderr
+    assert not (tmp_path / "toy").exists()  # refused before the toy model was pre-trained
+
