@@ -347,6 +347,57 @@ def test_block_gemm_off_sm90_goes_to_the_triton_kernel(monkeypatch, fp8_backward
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_block_layer_with_a_partial_row_block_takes_the_exact_gradient_under_fp8_backward(monkeypatch):
+    """Out features 200 (a partial last 128-row block, as fp8-format checkpoints may have): the forward runs the
+    block GEMM with ceil(200/128) scale rows; with fp8_backward the output gradient cannot split into 1x128 groups,
+    so the input gradient is the exact one (it failed on a reshape)."""
+    import sys
+    import types
+
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+    from fp8kit.rl import fp8_linear
+
+    def stand_in(xq, weight, xs, ws, out_dtype):
+        (m, k), n = xq.shape, weight.shape[0]
+        x = (xq.double().reshape(m, -1, 128) * xs.double()[:, :, None]).reshape(m, k)
+        return (x @ (weight.double() * ws.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)).t()
+                ).to(out_dtype)
+
+    kernel = types.ModuleType("fp8kit.rl.triton_block_gemm")
+    kernel.block_scaled_mm_triton = stand_in
+    monkeypatch.setitem(sys.modules, "fp8kit.rl.triton_block_gemm", kernel)
+    monkeypatch.setattr(fp8_linear, "cublas_block_scaling", lambda device: False)
+    g = torch.Generator().manual_seed(3)
+    w_q, w_s = quantize_weight(torch.randn(256, 384, generator=g) * 0.05, SCHEMES["block"], torch.float32)
+    w_q = w_q[:200].contiguous()
+    x = torch.randn(3, 384, generator=g)
+    up = torch.randn(3, 200, generator=g)
+    grads = []
+    for backend, fp8_backward in (("reference", False), ("torch", True)):
+        layer = FP8LoRALinear(w_q, w_s, "block", rank=0, dtype=torch.float32, backend=backend,
+                              fp8_backward=fp8_backward)
+        xx = x.clone().requires_grad_()
+        (layer(xx) * up).sum().backward()
+        grads.append(xx.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
+
+
+def test_block_gemm_without_triton_where_it_is_needed_is_one_line(monkeypatch):
+    """SM90 without Triton: shapes cuBLAS refuses (here K = 384) need the Triton kernel; the error says so."""
+    import sys
+
+    from fp8kit.errors import Fp8kitError
+    from fp8kit.rl import fp8_linear
+
+    monkeypatch.setitem(sys.modules, "fp8kit.rl.triton_block_gemm", None)
+    monkeypatch.setattr(fp8_linear, "cublas_block_scaling", lambda device: True)
+    xq, xs = fp8_linear.quantize_activation(torch.randn(4, 384), "block")
+    with pytest.raises(Fp8kitError) as e:
+        fp8_linear.block_scaled_mm(xq, torch.zeros(256, 384, dtype=torch.float8_e4m3fn), xs, torch.ones(2, 3),
+                                   torch.float32)
+    assert "pip install triton" in str(e.value) and "4x384 by 256x384" in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 256, 512), (7, 384, 2048), (12, 384, 2048), (10, 384, 896), (10, 200, 512)])
 def test_block_gemm_on_sm90_hands_cublas_the_scale_layout_torch_checks(monkeypatch, m, n, k):
     """On SM90 the block op calls F.scaled_mm with scales laid out as torch requires (its _meta_registrations.py,

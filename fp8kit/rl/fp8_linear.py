@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8kit.errors import Fp8kitError
 from fp8kit.rl import kernel_backends
 from fp8kit.rl.kernel_backends import available_backends  # noqa: F401 - re-exported
 
@@ -78,8 +79,12 @@ def block_scaled_mm(xq: torch.Tensor, weight: torch.Tensor, xs: torch.Tensor, ws
     F.scaled_mm's block-wise path; as an opaque op it stays inside one graph. cuBLAS scales blocks on SM90 only;
     other GPUs (L4, RTX 40/50, Blackwell) run the same arithmetic as a Triton kernel, as vLLM does there."""
     if not cublas_block_scaling(xq.device) or weight.shape[0] % GROUP or xq.shape[1] % (4 * GROUP):
-        from fp8kit.rl.triton_block_gemm import block_scaled_mm_triton
-
+        try:
+            from fp8kit.rl.triton_block_gemm import block_scaled_mm_triton
+        except ImportError as e:
+            raise Fp8kitError(f"a block FP8 GEMM of {xq.shape[0]}x{xq.shape[1]} by {weight.shape[0]}x{weight.shape[1]} "
+                              f"needs Triton on this GPU (cuBLAS scales 128x128 blocks on SM90 only, and there only "
+                              f"whole row blocks with K a multiple of 512): pip install triton ({e})") from None
         return block_scaled_mm_triton(xq, weight, xs, ws, out_dtype)
     # cuBLAS block scaling (torch/_meta_registrations.py, is_1x128_128x128) wants outer-dim-major scales:
     # activation scales [M, K/128] with strides exactly (1, M), weight scales [K/128, N/128] with strides
@@ -168,8 +173,6 @@ def pick_backend(device: torch.device, requested: str | None = None) -> str:
     requested = requested or os.environ.get("FP8KIT_BACKEND")
     if requested:
         if requested not in BACKENDS:
-            from fp8kit.errors import Fp8kitError
-
             raise Fp8kitError(f"backend {requested!r}: expected one of {', '.join(BACKENDS)}")
         if requested in LIBRARY_BACKENDS:
             kernel_backends.require(requested)
@@ -270,7 +273,10 @@ class _FP8MatMul(torch.autograd.Function):
     def backward(ctx, grad_out):
         weight, weight_scale = ctx.saved_tensors
         grad_in = None
-        if ctx.needs_input_grad[1] and ctx.fp8_backward:
+        # a block weight with a partial last row block (fp8-format checkpoints may have one) takes the exact
+        # gradient: its output gradient does not split into 1x128 groups
+        fp8_backward = ctx.fp8_backward and not (ctx.scheme == "block" and weight.shape[0] % GROUP)
+        if ctx.needs_input_grad[1] and fp8_backward:
             gq, gs = _quantize_output_grad(grad_out, weight_scale, ctx.scheme, ctx.backend)
             grad_in = fp8_input_grad(gq, gs, weight, weight_scale, ctx.scheme, grad_out.dtype,
                                      "reference" if ctx.backend == "reference" else "torch", ctx.fast_accum)
@@ -320,8 +326,6 @@ def flag_from_env(name: str, default: bool, on: str, off: str) -> bool:
         return False
     if value in ("1", "true", "yes"):
         return True
-    from fp8kit.errors import Fp8kitError
-
     raise Fp8kitError(f"{name}={value!r}: expected 1 ({on}) or 0 ({off}), or unset it")
 
 

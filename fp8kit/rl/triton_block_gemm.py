@@ -44,8 +44,9 @@ def _block_scaled_mm(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, m_bucket, str
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     mask_m, mask_n = rm < M, rn < N
-    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]
-    b_ptrs = b_ptr + rn[None, :] * stride_bn + rk[:, None] * stride_bk
+    # 64-bit row offsets: M * K or M * N passes 2**31 at long contexts (8 x 32k tokens x 8960)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
+    b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + rk[:, None] * stride_bk
     as_ptrs = as_ptr + rm * stride_asm
     bs_ptrs = bs_ptr + (rn // BK) * stride_bsn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -57,7 +58,7 @@ def _block_scaled_mm(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, m_bucket, str
         acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
         a_ptrs += BK
         b_ptrs += BK * stride_bk
-    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :]
+    c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
