@@ -196,7 +196,7 @@ def test_backend_argument_and_environment_override(monkeypatch):
     assert pick_backend(cpu) == "reference"
     monkeypatch.setenv("FP8KIT_BACKEND", "torch")
     assert pick_backend(cpu) == "torch"
-    assert pick_backend(cpu, "triton") == "triton"  # the argument wins over the environment
+    assert pick_backend(cpu, "reference") == "reference"  # the argument wins over the environment
     monkeypatch.setenv("FP8KIT_BACKEND", "reference")
     x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(6))
     layer = _small_layer()
@@ -235,6 +235,27 @@ def test_missing_kernel_package_is_named(monkeypatch, backend, package, module):
     report = available_backends("cpu")[backend]
     assert report["package"] == package and report["schemes"] == []
     assert all(package in why for why in report["unsupported"].values())
+
+
+def test_triton_backend_without_triton_is_refused_when_the_layer_is_built(monkeypatch, tmp_path):
+    """backend='triton' (argument or FP8KIT_BACKEND) without the triton package: one line when layers are built or
+    a model is loaded, not a ModuleNotFoundError traceback at the first forward."""
+    import sys
+
+    from fp8kit import convert
+    from fp8kit.errors import Fp8kitError
+    from fp8kit.models import build_checkpoint
+    from fp8kit.rl import load_fp8_model
+
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=4)
+    out = convert(src, tmp_path / "fp8", scheme="dynamic").out
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    with pytest.raises(Fp8kitError, match="backend 'triton' needs the triton package.*pip install triton") as e:
+        _small_layer(backend="triton")
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("FP8KIT_BACKEND", "triton")
+    with pytest.raises(Fp8kitError, match="pip install triton"):
+        load_fp8_model(out, dtype=torch.float32, lora_rank=4)
 
 
 def test_available_backends_on_cpu():

@@ -89,3 +89,24 @@ def test_toy_script_refuses_vllm_with_float32_before_building_anything(tmp_path)
     assert proc.stderr.startswith("error: ") and "float32" in proc.stderr and "vLLM" in proc.stderr
     assert not (tmp_path / "toy").exists()  # refused before the toy model was pre-trained
 
+
+
+def test_a_bare_string_of_prompts_and_no_reward_functions_are_refused(tiny_fp8):
+    """A string was iterated into one-character prompts; an empty reward list trained on a reward of 0."""
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
+    for prompts, funcs, needle in (("the quick", [_zero], "prompts='the quick': expected a list"),
+                                   ({"prompt": "the quick"}, [_zero], "wrap a single prompt in a list"),
+                                   (["the quick"], [], "reward_funcs=[]: expected a non-empty list"),
+                                   (["the quick"], [_zero, "len"], "expected a non-empty list of functions")):
+        with pytest.raises(Fp8kitError) as e:
+            train(model, tok, prompts, funcs, config)
+        assert needle in str(e.value) and "\n" not in str(e.value), e.value
+    seen = []
+
+    def reward(completions, **_):  # one function, not in a list, is accepted as TRL accepts it
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    train(model, tok, ["the quick"], reward, config)
+    assert len(seen) == 2

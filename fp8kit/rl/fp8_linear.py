@@ -169,13 +169,19 @@ def pick_backend(device: torch.device, requested: str | None = None) -> str:
     """FP8KIT_BACKEND or the argument wins; otherwise torch's scaled_mm on SM89+ GPUs, the reference elsewhere.
 
     fbgemm and torchao are used only when asked for (argument or FP8KIT_BACKEND); asking for one whose package
-    does not import raises Fp8kitError naming the package. available_backends() says what this machine runs."""
+    (triton included) does not import raises Fp8kitError naming the package. available_backends() says what this machine runs."""
     requested = requested or os.environ.get("FP8KIT_BACKEND")
     if requested:
         if requested not in BACKENDS:
             raise Fp8kitError(f"backend {requested!r}: expected one of {', '.join(BACKENDS)}")
         if requested in LIBRARY_BACKENDS:
             kernel_backends.require(requested)
+        elif requested == "triton":
+            try:
+                import triton  # noqa: F401
+            except ImportError as e:
+                raise Fp8kitError(f"backend 'triton' needs the triton package, which does not import here ({e}); "
+                                  f"pip install triton, or pick another backend") from None
         return requested
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
         try:
@@ -353,7 +359,7 @@ class FP8LoRALinear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale.float())
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        if backend is not None:
+        if backend is not None or os.environ.get("FP8KIT_BACKEND"):
             pick_backend(weight.device, backend)  # an unknown name or a missing package fails here, not later
         self.backend = backend
         self.fp8_backward = (flag_from_env("FP8KIT_FP8_BACKWARD", False, "FP8 input gradient", "exact")

@@ -248,6 +248,15 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     **columns) and returns one float per completion. rollout: the engine that samples (default: transformers'
     generate on `model`, or the vLLM engine load_model attached)."""
     rollout = rollout or getattr(model, "rollout_engine", None) or HFRollout(model, tokenizer)
+    if callable(reward_funcs):  # one function, as TRL also accepts
+        reward_funcs = [reward_funcs]
+    if (isinstance(reward_funcs, (str, bytes, dict)) or not hasattr(reward_funcs, "__len__") or not reward_funcs
+            or not all(callable(f) for f in reward_funcs)):
+        raise Fp8kitError(f"reward_funcs={reward_funcs!r:.80}: expected a non-empty list of functions (prompts, "
+                          f"completions, ...) -> one float per completion")
+    if isinstance(prompts, (str, bytes, dict)):  # a string would be iterated as one-character prompts
+        raise Fp8kitError(f"prompts={prompts!r:.60}: expected a list of strings or of dicts with a 'prompt' string; "
+                          f"wrap a single prompt in a list")
     if config.reward_weights is not None and len(config.reward_weights) != len(reward_funcs):
         raise Fp8kitError(f"reward_weights has {len(config.reward_weights)} values for {len(reward_funcs)} reward functions")
     rows = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
