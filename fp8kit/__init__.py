@@ -2,7 +2,16 @@
 
 __version__ = "0.1.0"
 
-from fp8kit.converter import ConvertReport, convert  # noqa: E402
 from fp8kit.errors import Fp8kitError  # noqa: E402
 
 __all__ = ["convert", "ConvertReport", "Fp8kitError", "__version__"]
+
+
+def __getattr__(name):
+    """`convert` and `ConvertReport` import torch on first use, not on `import fp8kit`: the console scripts set up
+    their Ctrl-C and SIGTERM handling before that second of imports."""
+    if name in ("convert", "ConvertReport"):
+        from fp8kit import converter
+
+        return getattr(converter, name)
+    raise AttributeError(f"module 'fp8kit' has no attribute {name!r}")

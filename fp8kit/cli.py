@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import sys
 import warnings
 
 import click
 
+from fp8kit.converter.output import sigterm_as_interrupt  # light: torch is imported later, inside the commands
 from fp8kit.errors import Fp8kitError
 
 
@@ -37,7 +37,53 @@ def _fail(message: str, code: int = 1):
     sys.exit(code)
 
 
-@click.command("convert", context_settings={"help_option_names": ["-h", "--help"]})
+class _Interruptible:
+    """Click commands whose interrupt (Ctrl-C, or SIGTERM from the start of main()) is one line and exit 130, never
+    click's `Aborted!` and exit 1, a KeyboardInterrupt traceback or a silent death by SIGTERM. main() is the
+    console scripts' entry (`fp8kit.cli:main`, `fp8kit.cli:fp8_convert`) and runs before torch and transformers
+    are imported (fp8kit imports them lazily), so this holds in the first second too. `interrupted` says what an
+    interrupt leaves, with the command's parameters filled in ({out}); a command that knows more catches
+    KeyboardInterrupt itself (publish names the variant it was working on)."""
+
+    def __init__(self, *args, interrupted: str = "nothing was changed", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.interrupted = interrupted
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        # click's standalone mode, except that an interrupt in click's own steps (parsing the command line) is our
+        # line and 130 too, not `Aborted!` and 1
+        with sigterm_as_interrupt():
+            try:
+                rv = super().main(args, prog_name, complete_var, False, **extra)
+            except (KeyboardInterrupt, click.exceptions.Abort):
+                _fail("interrupted; nothing was changed", 130)
+            except click.ClickException as e:
+                e.show()
+                sys.exit(e.exit_code)
+        sys.exit(rv if isinstance(rv, int) else 0)  # an int is click's exit code (--help, --version, ctx.exit)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            _fail(f"interrupted; {self.interrupted.format(**ctx.params)}", 130)
+
+
+class _Command(_Interruptible, click.Command):
+    pass
+
+
+class _Group(_Interruptible, click.Group):
+    command_class = _Command
+
+
+_Group.group_class = _Group
+
+
+@click.command("convert", cls=_Command, interrupted="nothing was written to {out}",
+               context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("src")
 @click.argument("out")
 @click.option("--scheme", type=click.Choice(["dynamic", "block", "tensor", "tensor-static"]), required=True,
@@ -63,11 +109,10 @@ def _fail(message: str, code: int = 1):
 def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, device, max_shard_size, overwrite,
                 as_json):
     """Convert the safetensors checkpoint SRC (a directory or a Hub id org/name[@revision]) into FP8 at OUT."""
-    from fp8kit.converter import convert
-
-    # SIGTERM unwinds like Ctrl-C, so the temporary output is removed.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    # SIGTERM unwinds like Ctrl-C (set up by main(), see _Interruptible), so the temporary output is removed.
     try:
+        from fp8kit.converter import convert
+
         with warnings.catch_warnings(), _stdout_to_stderr(as_json):
             warnings.simplefilter("ignore")
             report = convert(src, out, scheme=scheme, format=fmt, ignore=list(ignore), device=device,
@@ -91,13 +136,13 @@ def _mib(n: int | None) -> str:
     return "unknown" if n is None else f"{n / 2**20:.0f} MiB"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="fp8kit")
 def main():
     """fp8kit: FP8 checkpoints for large language models."""
 
 
-@main.command()
+@main.command(interrupted="its temporary files were removed")
 @click.option("--seed", default=0, show_default=True)
 def demo(seed):
     """Build a tiny random Llama, convert it with dynamic, block and tensor, load each back, print a table."""
@@ -147,9 +192,13 @@ def registry_list(family, as_json):
     from fp8kit.registry import load
 
     try:
-        variants = [v for v in load() if family is None or v.family == family]
+        everything = load()
     except Fp8kitError as e:
         _fail(str(e))
+    known = sorted({v.family for v in everything})
+    if family is not None and family not in known:
+        _fail(f"--family {family!r}: no such family in the catalog or your overlay; known: {', '.join(known)}", 2)
+    variants = [v for v in everything if family is None or v.family == family]
     if as_json:
         click.echo(json.dumps([v.to_dict() for v in variants], indent=2))
         return
@@ -166,7 +215,7 @@ def cache():
 @cache.command("list")
 @click.option("--json", "as_json", is_flag=True)
 def cache_list(as_json):
-    from fp8kit.registry.cache import list_entries
+    from fp8kit.registry.cache import list_entries, list_unfinished
 
     rows = list_entries()
     if as_json:
@@ -175,9 +224,15 @@ def cache_list(as_json):
     for r in rows:
         click.echo(f"{r['name'] or '?':<40} {r['scheme'] or '?':<8} {r['bytes'] / 1e9:7.2f} GB  "
                    f"{'ok' if r['ok'] else 'BROKEN'}  {r['path']}")
+    unfinished = list_unfinished()
+    for r in unfinished:
+        click.echo(f"{'(unfinished conversion)':<40} {'?':<8} {r['bytes'] / 1e9:7.2f} GB  UNFINISHED  {r['path']}")
+    if unfinished:
+        click.echo("UNFINISHED: a conversion in progress, or one killed outright; the next conversion of that model "
+                   "or `fp8kit cache rm NAME` removes it", err=True)
 
 
-@cache.command("rm")
+@cache.command("rm", interrupted="some of the entries may be removed already: run it again to finish")
 @click.argument("name", required=False)
 @click.option("--all", "remove_all", is_flag=True, help="Remove every cached conversion.")
 def cache_rm(name, remove_all):
@@ -205,34 +260,33 @@ def cache_rm(name, remove_all):
 @click.option("--org", default=None, help="Where to publish (default: the token's user).")
 @click.option("--private", is_flag=True)
 @click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to main.")
-@click.option("--max-kl", type=float, default=None, help="Do not upload variants whose mean KL is above this.")
+@click.option("--max-kl", type=float, default=None,
+              help="Do not upload variants whose mean KL is above this (a positive number, e.g. 0.01).")
 @click.option("--dry-run", is_flag=True, help="Convert, validate and stage only; contact no server.")
 @click.option("--staging", type=click.Path(file_okay=False), default=None, help="Where staged variants go.")
 @click.option("--force", is_flag=True, help="Upload into an existing repo that fp8kit did not make.")
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
-              help="A TOML plan of many models x schemes; goes on past failures.")
+              help="A TOML plan of many models x schemes; goes on past failures. Its [[model]] tables give SRC, "
+                   "--base-model and --scheme; --org, --max-kl and --repo-template are its defaults.")
 @click.option("--json", "as_json", is_flag=True)
 def publish(src, base_model, schemes, repo_template, org, private, create_pr, max_kl, dry_run, staging, force,
             plan_path, as_json):
     """Convert SRC to FP8, validate it against the source, write its model card, upload and register it."""
     from pathlib import Path
 
-    from fp8kit.hub.publish import check_repo_template, publish as run, read_plan
-
+    results = []
     try:
+        from fp8kit.hub.publish import PublishResult, check_max_kl, check_repo_template, publish as run, read_plan
+
         check_repo_template(repo_template)  # once, not once per plan entry
+        check_max_kl(max_kl)
         if plan_path:
-            plan = read_plan(Path(plan_path))
-            jobs = [dict(src=m["src"], schemes=list(m["schemes"]), base_model=m.get("base_model"),
-                         repo_template=m.get("repo_template", plan.get("repo_template", repo_template)),
-                         org=m.get("org", plan.get("org", org)), max_kl=m.get("max_kl", plan.get("max_kl", max_kl)))
-                    for m in plan["model"]]
+            jobs = _plan_jobs(Path(plan_path), read_plan, src, base_model, schemes, repo_template, org, max_kl)
         elif src and schemes:
             jobs = [dict(src=src, schemes=list(schemes), base_model=base_model, repo_template=repo_template, org=org,
                          max_kl=max_kl)]
         else:
             _fail("give SRC and at least one --scheme, or --plan FILE", 2)
-        results = []
         for job in jobs:
             try:
                 # the card's "How it was made" is built by publish() from the variant's own arguments: the host's
@@ -242,11 +296,18 @@ def publish(src, base_model, schemes, repo_template, org, private, create_pr, ma
             except Fp8kitError as e:
                 if not plan_path:
                     raise
-                from fp8kit.hub.publish import PublishResult
-
                 results += [PublishResult(job["src"], s, "failed", error=str(e)) for s in job["schemes"]]
     except Fp8kitError as e:
         _fail(str(e))
+    except KeyboardInterrupt as e:
+        import shutil
+
+        if dry_run and not staging:  # earlier plan entries' staging folders: the report that names them is not shown
+            for r in results:
+                if r.staging:
+                    shutil.rmtree(Path(r.staging).parent, ignore_errors=True)
+        _fail(str(e) or ("interrupted; nothing partial was left" if results else
+                         "interrupted before any conversion; nothing was converted, staged or uploaded"), 130)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=2))
     else:
@@ -263,6 +324,31 @@ def publish(src, base_model, schemes, repo_template, org, private, create_pr, ma
                     click.echo(f"    {name:<40} {n:>14,d} bytes")
     if any(r.status in ("failed", "rejected") for r in results):
         sys.exit(1)
+
+
+def _plan_jobs(path, read_plan, src, base_model, schemes, repo_template, org, max_kl) -> list[dict]:
+    """The plan's jobs. Its [[model]] tables give src, base_model and schemes, so SRC, --base-model and --scheme are
+    refused beside it; --org, --max-kl and --repo-template are its defaults, refused where its top level sets them."""
+    from click.core import ParameterSource
+
+    per_run = [name for name, given in (("SRC", src), ("--base-model", base_model), ("--scheme", schemes)) if given]
+    if per_run:
+        _fail(f"--plan {path}: its [[model]] tables give src, base_model and schemes; drop {', '.join(per_run)} from "
+              f"the command line, or drop --plan", 2)
+    plan = read_plan(path)
+    template_given = click.get_current_context().get_parameter_source("repo_template") != ParameterSource.DEFAULT
+    both = [(key, option) for key, option, given in (("org", "--org", org is not None),
+                                                      ("max_kl", "--max-kl", max_kl is not None),
+                                                      ("repo_template", "--repo-template", template_given))
+            if given and key in plan]
+    if both:
+        _fail(f"--plan {path}: its top level sets " + " and ".join(repr(k) for k, _ in both) + ", and the command line "
+              f"gives " + " and ".join(o for _, o in both) + "; keep one (the command line's value is the default of a "
+              f"plan that has none)", 2)
+    return [dict(src=m["src"], schemes=list(m["schemes"]), base_model=m.get("base_model"),
+                 repo_template=m.get("repo_template", plan.get("repo_template", repo_template)),
+                 org=m.get("org", plan.get("org", org)), max_kl=m.get("max_kl", plan.get("max_kl", max_kl)))
+            for m in plan["model"]]
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ def publish(tmp_path, hub, *args, token=TOKEN):
     env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_XET="1",
                HF_HUB_DISABLE_TELEMETRY="1", FP8KIT_CACHE=str(tmp_path / "fp8cache"),
                FP8KIT_REGISTRY=str(tmp_path / "overlay.toml"), FP8KIT_HUB_RETRY_SECONDS="0")
+    if not env.get("TMPDIR", "").startswith(str(tmp_path)):  # a dry run keeps its staging folder: not in /tmp
+        (tmp_path / "tmp").mkdir(exist_ok=True)
+        env["TMPDIR"] = str(tmp_path / "tmp")
     if token:
         env["HF_TOKEN"] = token
     proc = subprocess.run([sys.executable, "-m", "fp8kit.cli", "publish", *map(str, args)], env=env,

@@ -1,6 +1,8 @@
 """fp8kit publish: bad --repo-template and plan fields are one line before any work, no temporary staging
 folder outlives a run, and a failed re-stage leaves the previous staging folder whole."""
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -276,3 +278,99 @@ def test_overlay_that_cannot_be_written_is_refused_before_any_work(tmp_path, src
     line = one_line_error(result)
     assert str(tmp_path / "cfg" / "registry.toml") in line and "FP8KIT_REGISTRY" in line
     assert not (tmp_path / "fp8cache").exists()
+
+
+def usage_error(result) -> str:
+    """One `error:` line and exit 2, before any work."""
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), (result.exit_code, result.output)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "-inf"])
+def test_max_kl_that_is_not_a_positive_finite_number_is_refused_before_any_work(tmp_path, src, value):
+    """--max-kl -1 or nan ran the whole conversion and validation, then rejected every variant."""
+    result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--scheme", "dynamic",
+                                       "--dry-run", "--org", "me", "--staging", str(tmp_path / "staging"),
+                                       "--max-kl", value])
+    line = one_line_error(result)
+    assert "--max-kl" in line and "positive" in line
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+
+
+@pytest.mark.parametrize("where,value", [("top", "-1"), ("top", "nan"), ("model", "0"), ("model", "inf")])
+def test_plan_max_kl_that_is_not_a_positive_finite_number_is_refused_before_any_work(tmp_path, src, where, value):
+    plan = tmp_path / "plan.toml"
+    top = f"max_kl = {value}\n" if where == "top" else ""
+    second = f'[[model]]\nsrc = "{src}"\nbase_model = "org/tiny2"\nschemes = ["dynamic"]\n'
+    if where == "model":
+        second += f"max_kl = {value}\n"
+    plan.write_text(top + GOOD.format(src=src) + second)
+    result = CliRunner().invoke(main, ["publish", "--plan", str(plan), "--dry-run", "--org", "me", "--staging",
+                                       str(tmp_path / "staging")])
+    line = one_line_error(result)
+    assert line.startswith(f"error: {plan}: ") and "'max_kl'" in line and "positive" in line, line
+    assert ("top level" if where == "top" else "[[model]] number 2") in line
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+
+
+def test_publish_api_refuses_a_bad_max_kl_before_any_work(tmp_path, src):
+    from fp8kit.errors import Fp8kitError
+    from fp8kit.hub import publish as publish_api
+
+    with pytest.raises(Fp8kitError, match="max_kl|--max-kl"):
+        publish_api(str(src), ["dynamic"], base_model="org/tiny", org="me", dry_run=True,
+                    staging=tmp_path / "staging", max_kl=float("nan"))
+    assert not (tmp_path / "fp8cache").exists()
+
+
+@pytest.mark.parametrize("extra,named", [
+    (["{src}"], "SRC"),
+    (["--base-model", "x/y"], "--base-model"),
+    (["--scheme", "block"], "--scheme"),
+    (["{src}", "--base-model", "x/y", "--scheme", "block"], "SRC, --base-model, --scheme"),
+])
+def test_plan_with_per_run_arguments_is_refused(tmp_path, src, extra, named):
+    """SRC, --base-model and --scheme were silently ignored next to --plan."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(GOOD.format(src=src))
+    result = CliRunner().invoke(main, ["publish", "--plan", str(plan), *[a.format(src=src) for a in extra],
+                                       "--dry-run", "--org", "me", "--staging", str(tmp_path / "staging")])
+    line = usage_error(result)
+    assert "--plan" in line and named in line, line
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+
+
+@pytest.mark.parametrize("key,option,value", [("org", "--org", "other"), ("max_kl", "--max-kl", "0.5"),
+                                              ("repo_template", "--repo-template", "{org}/{name}-fp8-{scheme}")])
+def test_plan_and_command_line_giving_the_same_default_is_refused(tmp_path, src, key, option, value):
+    """--org, --max-kl and --repo-template are the plan's defaults when it has none; both at once is ambiguous."""
+    plan = tmp_path / "plan.toml"
+    toml_value = value if key == "max_kl" else f'"{value}"'
+    plan.write_text(f"{key} = {toml_value}\n" + GOOD.format(src=src))
+    args = ["publish", "--plan", str(plan), "--dry-run", "--staging", str(tmp_path / "staging"), option, value]
+    if key != "org":
+        args += ["--org", "me"]
+    line = usage_error(CliRunner().invoke(main, args))
+    assert option in line and f"'{key}'" in line, line
+    assert not (tmp_path / "fp8cache").exists()
+
+
+def test_failed_dry_run_without_staging_leaves_no_temporary_folder(tmp_path, src, monkeypatch):
+    """A dry run keeps its temporary staging folder only when it staged something its report points at."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR in this process
+    bad = tmp_path / "trunc"
+    shutil.copytree(src, bad)
+    with open(bad / "model.safetensors", "r+b") as f:
+        f.truncate(10_000)
+    result = CliRunner().invoke(main, ["publish", str(bad), "--base-model", "me/tiny", "--scheme", "dynamic",
+                                       "--org", "me", "--dry-run", "--json"])
+    assert result.exit_code == 1 and json.loads(result.stdout)[0]["status"] == "failed", result.output
+    assert json.loads(result.stdout)[0]["staging"] is None
+    assert list(tmp.iterdir()) == []

@@ -136,3 +136,58 @@ def test_concurrent_overlay_writers_keep_every_entry(tmp_path):
     assert all(p.returncode == 0 for p in procs), errors
     names = sorted(v.repo_id for v in load() if v.source == "overlay")
     assert names == sorted(["me/Qwen3-8B-FP8-Dynamic"] + [f"me/m{w}-{i}-FP8-Dynamic" for w in range(4) for i in range(15)])
+
+
+def test_registry_list_of_an_unknown_family_is_one_line_naming_the_known_ones():
+    result = CliRunner().invoke(main, ["registry", "list", "--family", "nope"])
+    assert result.exit_code == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --family 'nope'"), result.stderr
+    assert "gemma-3" in lines[0] and "qwen3" in lines[0] and "llama-3.1" in lines[0]
+
+
+def test_registry_list_knows_the_overlay_s_families(tmp_path):
+    (tmp_path / "overlay.toml").write_text(OVERLAY.replace('family = "qwen3"', 'family = "mine"'))
+    result = CliRunner().invoke(main, ["registry", "list", "--family", "mine"])
+    assert result.exit_code == 0 and "me/Qwen3-8B-FP8-Dynamic" in result.stdout
+
+
+@pytest.mark.parametrize("revision,commit", [
+    ("abc123", "<commit of abc123, fetched at conversion>"),
+    ("0123456789abcdef0123456789abcdef01234567", "0123456789abcdef0123456789abcdef01234567"),
+])
+def test_resolve_of_a_pinned_revision_shows_the_cache_layout(tmp_path, monkeypatch, revision, commit):
+    """`{org}--{name}/{source commit}/...`: the folder is the repo's, never `name@revision`, and the commit is
+    the pinned one (or says which revision it will be fetched from), never main's."""
+    from fp8kit.registry import resolve
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    answer = resolve(f"Qwen/Qwen3-8B@{revision}", "dynamic")
+    assert answer.cache_dir == str(tmp_path / "fp8cache" / "Qwen--Qwen3-8B" / commit
+                                   / "dynamic-compressed-tensors-fp8kit0.1.0")
+    result = CliRunner().invoke(main, ["resolve", f"Qwen/Qwen3-8B@{revision}", "--scheme", "dynamic"])
+    assert result.exit_code == 0 and answer.cache_dir in result.stdout
+
+
+def test_pinned_revision_is_converted_where_resolve_says(tmp_path, llama_dir, monkeypatch):
+    """The real conversion path of a pinned name: `{org}--{name}/{commit}`, as resolve shows it."""
+    import shutil
+
+    from fp8kit.registry import resolve
+    from fp8kit.registry.cache import cached_conversion
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--me--tiny"
+    shutil.copytree(llama_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    for name in (f"me/tiny@{commit}", "me/tiny@main"):
+        entry = cached_conversion(name, "dynamic")
+        assert str(entry) == resolve(name, "dynamic").cache_dir
+        assert entry.parent.parent == tmp_path / "fp8cache" / "me--tiny"
+    result = CliRunner().invoke(main, ["cache", "rm", f"me/tiny@{commit}"])
+    assert result.exit_code == 0, result.stderr

@@ -1,7 +1,8 @@
 """Output directories that appear whole or not at all.
 
 Everything is written into a fresh folder beside OUT (same filesystem, so the final rename is
-atomic) and renamed into place at the end; on any failure, Ctrl-C included, only that folder is removed.
+atomic) and renamed into place at the end; on any failure, Ctrl-C and SIGTERM included, only that folder is
+removed.
 Nothing the user owns is ever deleted in its place, and an existing OUT is replaced only when asked.
 """
 
@@ -10,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 from fp8kit.errors import Fp8kitError
@@ -34,10 +37,43 @@ def check_out(out: str | Path, overwrite: bool, src: Path | None = None) -> Path
     return out
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While active, SIGTERM unwinds like Ctrl-C (KeyboardInterrupt), so the same `finally` blocks remove partial
+    output: the one interrupt mechanism of fp8kit, used by the console scripts for their whole run and by
+    atomic_directory around every write. Set only from the main thread and only over SIGTERM's default action (a
+    handler of the host application, or of an enclosing use of this, is left alone); restored on exit."""
+    try:
+        active = (threading.current_thread() is threading.main_thread()
+                  and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+    except (AttributeError, ValueError):  # no SIGTERM on this platform
+        active = False
+    if not active:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def atomic_directory(out: Path, overwrite: bool):
     """Yields the folder to fill; on a clean exit it becomes OUT (replacing OUT only with `overwrite`).
-    Parent folders it had to create are removed again on failure (only while they are empty)."""
+    Parent folders it had to create are removed again on failure (only while they are empty). SIGTERM counts as
+    Ctrl-C meanwhile (sigterm_as_interrupt), in the library as in the command line."""
+    with sigterm_as_interrupt():
+        with _atomic_directory(out, overwrite) as partial:
+            yield partial
+
+
+@contextlib.contextmanager
+def _atomic_directory(out: Path, overwrite: bool):
     made = [p for p in reversed(out.parents) if not p.exists()]  # outermost first
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

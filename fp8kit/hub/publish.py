@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import secrets
 import shlex
@@ -39,6 +40,23 @@ class PublishResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class PublishInterrupted(KeyboardInterrupt):
+    """Ctrl-C, or SIGTERM where fp8kit turns it into one (fp8kit.converter.output.sigterm_as_interrupt), during
+    publish()'s work on a variant: raised once that variant's temporary files are removed; str() is one line
+    naming the variant and the step, and what is left."""
+
+
+def check_max_kl(value, where: str = "--max-kl") -> None:
+    """A mean KL bound is a positive finite number: -1, 0 or NaN would reject every variant after all the work."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Fp8kitError(f"{where} must be a number, e.g. 0.01 (not {value!r})")
+    if not math.isfinite(value) or value <= 0:
+        raise Fp8kitError(f"{where} {value!r}: must be a positive finite number, the highest mean KL to accept "
+                          f"(e.g. 0.01); it would reject every variant")
 
 
 TEMPLATE_FIELDS = ("org", "name", "scheme", "Scheme")
@@ -201,8 +219,8 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     from fp8kit.converter import source
     from fp8kit.hub.card import build_card, kept_layers, source_terms
     from fp8kit.hub.validate import validate
+    from fp8kit.converter.output import sigterm_as_interrupt
     from fp8kit.registry.cache import cached_conversion
-
     from fp8kit.registry.catalog import REPO_ID
 
     local = Path(src).expanduser().is_dir()
@@ -217,6 +235,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         if scheme not in SCHEME_FORMAT:
             raise Fp8kitError(f"--scheme {scheme!r}: expected dynamic, block or tensor")
     check_repo_template(repo_template)
+    check_max_kl(max_kl)
     if not dry_run and not create_pr:  # a broken or unwritable overlay found now, not after an upload
         _check_overlay()
     api = None
@@ -254,44 +273,69 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         return shlex.join(["fp8kit", "publish", str(src), "--base-model", base_model, "--scheme", scheme,
                            "--org", org, "--repo-template", repo_template]
                           + (["--max-kl", f"{max_kl:g}"] if max_kl is not None else []))
-    # A staging folder of our own (no --staging) is removed when done, uploaded or not; a dry run keeps it,
-    # since its report points there.
-    own_staging = not staging and not dry_run
+    # A staging folder of our own (no --staging) is removed when done, uploaded or not; a dry run keeps it only
+    # when its report points there (something was staged and the run was not interrupted).
     staging_root = Path(staging) if staging else Path(tempfile.mkdtemp(prefix="fp8kit-publish-"))
     results = []
+    finished = False
+    step, repo_id = "starting", ""
     try:
-        for scheme in schemes:
-            repo_id = repo_id_for(repo_template, org, base_model, scheme)
-            fmt = SCHEME_FORMAT[scheme]
-            try:
-                conversion = cached_conversion(str(src_dir) if local else src, scheme, fmt)
-                metrics = validate(src_dir, conversion)
-                kept = kept_layers(conversion)
-                card = build_card(repo_id, base_model, scheme, fmt, metrics, made_by(scheme), terms, kept)
-                provenance = {"tool": "fp8kit", "version": __version__, "base_model": base_model, "scheme": scheme,
-                              "format": fmt, "validation": metrics}
-                folder = staging_root / repo_id.replace("/", "--")
-                files = _stage(conversion, folder, card, provenance)
-                result = PublishResult(repo_id, scheme, "dry-run", metrics, files, str(folder),
-                                       kept_in_source_precision=kept)
-                if max_kl is not None and not metrics["kl"] <= max_kl:  # a NaN KL is rejected too
-                    result.status, result.error = "rejected", f"KL {metrics['kl']:.3e} is over --max-kl {max_kl:g}"
-                elif not dry_run:
-                    _upload(api, result, folder, private, create_pr, force)
-                    if not create_pr:
-                        _register(repo_id, scheme, fmt, base_model)
-            except Fp8kitError as e:
-                result = PublishResult(repo_id, scheme, "failed", error=str(e))
-            except Exception as e:  # noqa: BLE001 - e.g. transformers cannot load the model: one line, go on
-                first = (str(e).strip().splitlines() or [""])[0]
-                result = PublishResult(repo_id, scheme, "failed", error=f"{type(e).__name__}: {first}")
-            results.append(result)
+        with sigterm_as_interrupt():  # SIGTERM, like Ctrl-C, leaves no temporary folder (from Python too)
+            for scheme in schemes:
+                repo_id = repo_id_for(repo_template, org, base_model, scheme)
+                fmt = SCHEME_FORMAT[scheme]
+                try:
+                    step = "converting"
+                    conversion = cached_conversion(str(src_dir) if local else src, scheme, fmt)
+                    step = "validating"
+                    metrics = validate(src_dir, conversion)
+                    kept = kept_layers(conversion)
+                    card = build_card(repo_id, base_model, scheme, fmt, metrics, made_by(scheme), terms, kept)
+                    provenance = {"tool": "fp8kit", "version": __version__, "base_model": base_model, "scheme": scheme,
+                                  "format": fmt, "validation": metrics}
+                    folder = staging_root / repo_id.replace("/", "--")
+                    step = "staging"
+                    files = _stage(conversion, folder, card, provenance)
+                    result = PublishResult(repo_id, scheme, "dry-run", metrics, files, str(folder),
+                                           kept_in_source_precision=kept)
+                    if max_kl is not None and not metrics["kl"] <= max_kl:  # a NaN KL is rejected too
+                        result.status, result.error = "rejected", f"KL {metrics['kl']:.3e} is over --max-kl {max_kl:g}"
+                    elif not dry_run:
+                        step = "uploading"
+                        _upload(api, result, folder, private, create_pr, force)
+                        if not create_pr:
+                            step = "registering"
+                            _register(repo_id, scheme, fmt, base_model)
+                except Fp8kitError as e:
+                    result = PublishResult(repo_id, scheme, "failed", error=str(e))
+                except Exception as e:  # noqa: BLE001 - e.g. transformers cannot load the model: one line, go on
+                    first = (str(e).strip().splitlines() or [""])[0]
+                    result = PublishResult(repo_id, scheme, "failed", error=f"{type(e).__name__}: {first}")
+                results.append(result)
+                step = "finishing"
+        finished = True
+    except KeyboardInterrupt as e:
+        raise PublishInterrupted(_interrupted(step, repo_id, any(r.status == "uploaded" for r in results))) from e
     finally:
-        if own_staging:
+        if not staging and not (finished and dry_run and any(r.staging for r in results)):
             shutil.rmtree(staging_root, ignore_errors=True)
             for result in results:
                 result.staging = None  # removed: the report does not point at it
     return results
+
+
+def _interrupted(step: str, repo_id: str, uploaded_before: bool) -> str:
+    """The line an interrupted publish() ends with: the step and variant, and what was left."""
+    earlier = "; variants uploaded before it are kept" if uploaded_before else ""
+    if step in ("converting", "validating", "staging"):
+        return f"interrupted while {step} {repo_id}; nothing partial was left{earlier}"
+    if step == "uploading":
+        return (f"interrupted while uploading {repo_id}; a Hub commit is all or nothing and it was not registered: "
+                f"re-run to resume{earlier}")
+    if step == "registering":
+        return (f"interrupted while registering {repo_id}: it is uploaded, but may be missing from the registry "
+                f"overlay; re-run to register it (nothing is uploaded again){earlier}")
+    return f"interrupted; nothing partial was left{earlier}"
 
 
 def _upload(api, result: PublishResult, folder: Path, private: bool, create_pr: bool, force: bool) -> None:
@@ -372,6 +416,8 @@ def _check_plan_field(where: str, key: str, value) -> None:
         raise Fp8kitError(f"{where}: '{key}' must be a non-empty string (not {value!r})")
     if key == "max_kl" and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise Fp8kitError(f"{where}: 'max_kl' must be a number, e.g. max_kl = 0.01 (not {value!r})")
+    if key == "max_kl":
+        check_max_kl(value, f"{where}: 'max_kl'")
     if key == "schemes":
         if not isinstance(value, list) or not value or not all(isinstance(s, str) for s in value):
             raise Fp8kitError(f"{where}: 'schemes' must be a list of scheme names, e.g. "

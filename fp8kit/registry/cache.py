@@ -48,7 +48,8 @@ def model_dir(name: str) -> Path:
     if path.is_dir():  # a local checkpoint: keyed by its absolute path
         digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
         return cache_root() / f"local--{path.resolve().name}-{digest}"
-    return cache_root() / name.replace("/", "--")
+    # a pinned revision is a commit folder inside the repo's folder, as the layout says: not a folder of its own
+    return cache_root() / name.partition("@")[0].replace("/", "--")
 
 
 def _source_commit(src: Path) -> str:
@@ -82,6 +83,11 @@ def known_commit(name: str) -> str | None:
     repo_id, _, revision = name.partition("@")
     if re.fullmatch(r"[0-9a-f]{40}", revision):
         return revision
+    snapshots = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    if re.fullmatch(r"[0-9a-f]{7,39}", revision) and snapshots.is_dir():  # a short commit hash, if downloaded
+        found = [p.name for p in snapshots.iterdir() if p.name.startswith(revision)]
+        if len(found) == 1:
+            return found[0]
     ref = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "refs" / (revision or "main")
     try:
         return ref.read_text().strip() or None
@@ -133,6 +139,7 @@ def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -
     try:
         if verify(entry):  # another process finished it while this one waited
             return entry
+        remove_unfinished(entry)  # left by a conversion killed outright: no other process holds this lock
         from fp8kit.converter import convert
 
         report = convert(src, entry, scheme=scheme, format=fmt, overwrite=True)
@@ -150,6 +157,33 @@ def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -
     finally:
         lock.release()
     return entry
+
+
+def _unfinished_of(entry: Path) -> list[Path]:
+    """The converter's temporary folders of `entry` (fp8kit.converter.output.atomic_directory's names)."""
+    return sorted(p for pattern in (f".{entry.name}.partial-*", f".{entry.name}.old-*")
+                  for p in entry.parent.glob(pattern) if p.is_dir() and not p.is_symlink())
+
+
+def remove_unfinished(entry: Path) -> None:
+    """Remove what a conversion of `entry` that was killed outright (SIGKILL, power loss) left; the caller holds
+    the entry's lock, so no live conversion writes there. Ctrl-C and SIGTERM clean up after themselves."""
+    for folder in _unfinished_of(entry):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def list_unfinished() -> list[dict]:
+    """Temporary folders of conversions in progress or killed outright: shown by `cache list`, removed by the next
+    conversion of that entry or by `cache rm`."""
+    root = cache_root()
+    if not root.is_dir():
+        return []
+    rows = []
+    for folder in sorted(root.glob("*/*/.*")):
+        if folder.is_dir() and not folder.is_symlink() and (".partial-" in folder.name or ".old-" in folder.name):
+            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+            rows.append({"path": str(folder), "bytes": size})
+    return rows
 
 
 def list_entries() -> list[dict]:
@@ -180,6 +214,8 @@ def remove(name: str | None = None) -> list[Path]:
         local = Path(name).expanduser()
         # an existing folder means that checkpoint (recorded by its absolute path); otherwise the name as recorded
         recorded_as = str(local.resolve()) if local.is_dir() else name
+        if "@" in name and not local.is_dir():  # a pinned revision: its own entries, not the repo's other commits
+            return _remove_entries([Path(row["path"]) for row in list_entries() if row["name"] == name])
         recorded = {Path(row["path"]).parent.parent for row in list_entries() if row["name"] == recorded_as}
         targets = [p for p in ours if p == model_dir(name) or p in recorded]
     else:
@@ -190,3 +226,20 @@ def remove(name: str | None = None) -> list[Path]:
         model_dir(name).unlink()
         targets.append(model_dir(name))
     return targets
+
+
+def _remove_entries(entries: list[Path]) -> list[Path]:
+    """Delete these entries with their locks and unfinished folders, then their commit and model folders once
+    nothing else is left in them."""
+    for entry in entries:
+        for unfinished in _unfinished_of(entry):
+            shutil.rmtree(unfinished, ignore_errors=True)
+        shutil.rmtree(entry)
+        (entry.parent / (entry.name + ".lock")).unlink(missing_ok=True)
+    for folder in {e.parent for e in entries} | {e.parent.parent for e in entries}:
+        for f in sorted([folder, *folder.glob("*")], key=lambda p: -len(p.parts)):  # commit folders first
+            try:
+                f.rmdir()
+            except OSError:
+                pass
+    return entries

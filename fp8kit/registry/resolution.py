@@ -82,7 +82,9 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
     for v in matches:
         if scheme in v.serves:
             return _answer(name, scheme, v)
-    cache = model_dir(name) / (known_commit(name) or "<commit of main, fetched at conversion>") / entry_name(scheme)
+    # where cached_conversion() writes: model_dir(name) / the source's commit / entry_name
+    commit = known_commit(name) or f"<commit of {revision or 'main'}, fetched at conversion>"
+    cache = model_dir(name) / commit / entry_name(scheme)
     return Resolution(name=name, scheme=scheme, repo_id=None, format="compressed-tensors", source="convert",
                       family=matches[0].family if matches else None,
                       convert_command=shlex.join(["fp8-convert", name, str(cache), "--scheme", scheme]),

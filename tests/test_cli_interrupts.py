@@ -1,0 +1,158 @@
+"""Ctrl-C and SIGTERM outside `fp8-convert`'s own conversion: in a registry or publish conversion, in
+`fp8kit publish`, and in the first second of a console script (while torch is imported). Each ends in one
+line, exit 130 from the command line, and no partial folder left in the cache, the staging folder or TMPDIR."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8kit.models import build_checkpoint
+
+
+@pytest.fixture(scope="module")
+def big_src(tmp_path_factory):
+    """Big enough (~400 MB in float32) that a conversion can be caught in flight."""
+    return build_checkpoint(tmp_path_factory.mktemp("big") / "big", "llama", torch.float32, seed=0, hidden_size=1024,
+                            intermediate_size=4096, num_hidden_layers=6, vocab_size=1024)
+
+
+def partials(cache: Path) -> list[Path]:
+    """The converter's temporary folders inside the conversion cache (`.{entry}.partial-*`, `.{entry}.old-*`)."""
+    return [p for p in cache.glob("*/*/.*") if ".partial-" in p.name or ".old-" in p.name] if cache.exists() else []
+
+
+def env_for(tmp_path: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(FP8KIT_CACHE=str(tmp_path / "fp8cache"), FP8KIT_REGISTRY=str(tmp_path / "overlay.toml"),
+               HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return env
+
+
+def signal_once_converting(proc: subprocess.Popen, cache: Path, sig: int) -> str:
+    """Freeze `proc` once its conversion's partial folder exists in `cache`, send `sig`, let it run on;
+    returns its stderr."""
+    deadline = time.time() + 120
+    while not partials(cache) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        assert partials(cache), f"no conversion in flight to interrupt (exit {proc.poll()})"
+        os.kill(proc.pid, sig)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    return proc.communicate(timeout=120)[1]
+
+
+ENSURE = """
+import sys
+from fp8kit.registry import ensure
+try:
+    ensure(sys.argv[1], "tensor")
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+def test_sigterm_during_ensure_removes_the_partial_folder_like_ctrl_c(tmp_path, big_src):
+    proc = subprocess.Popen([sys.executable, "-c", ENSURE, str(big_src)], env=env_for(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = signal_once_converting(proc, tmp_path / "fp8cache", signal.SIGTERM)
+    assert proc.returncode == 130 and err.strip() == "KeyboardInterrupt", (proc.returncode, err)
+    assert partials(tmp_path / "fp8cache") == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("staging", [True, False], ids=["staging", "tmp"])
+def test_interrupted_publish_is_one_line_exit_130_and_leaves_nothing_partial(tmp_path, big_src, sig, staging):
+    args = [str(big_src), "--base-model", "me/big", "--scheme", "tensor", "--org", "me", "--dry-run"]
+    if staging:
+        args += ["--staging", str(tmp_path / "staging")]
+    proc = subprocess.Popen([sys.executable, "-m", "fp8kit.cli", "publish", *args], env=env_for(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = signal_once_converting(proc, tmp_path / "fp8cache", sig)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1, (proc.returncode, err)
+    assert lines[0].startswith("error: interrupted while converting me/big-FP8-Tensor") and "nothing partial" in lines[0]
+    assert partials(tmp_path / "fp8cache") == []
+    assert list((tmp_path / "tmp").iterdir()) == []  # no fp8kit-publish-* folder
+    assert not (tmp_path / "staging").exists() or list((tmp_path / "staging").iterdir()) == []
+
+
+def test_stale_partial_folder_is_removed_by_the_next_conversion_and_by_cache_rm(tmp_path, llama_dir, monkeypatch):
+    """A hard kill (SIGKILL, power loss) skips all cleanup: the next conversion of that entry removes what it
+    left, `cache list` shows it, and `cache rm` removes it."""
+    from click.testing import CliRunner
+
+    from fp8kit.cli import main
+    from fp8kit.registry.cache import cached_conversion, model_dir
+
+    monkeypatch.setenv("FP8KIT_CACHE", str(tmp_path / "fp8cache"))
+    src = tmp_path / "tiny"
+    import shutil
+
+    shutil.copytree(llama_dir, src)
+    entry = cached_conversion(str(src), "dynamic")
+    stale = entry.parent / f".{entry.name}.partial-abcd1234"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"\0" * 1000)
+    listing = CliRunner().invoke(main, ["cache", "list"])
+    assert listing.exit_code == 0 and str(stale) in listing.stdout and "UNFINISHED" in listing.stdout
+    (entry / "fp8kit-entry.json").unlink()  # the entry must be converted again
+    assert cached_conversion(str(src), "dynamic") == entry and not stale.exists()
+
+    # a model whose only conversion was killed: just a lock file and the partial folder
+    stale.mkdir()
+    shutil.rmtree(entry)
+    result = CliRunner().invoke(main, ["cache", "rm", str(src)])
+    assert result.exit_code == 0, result.stderr
+    assert not model_dir(str(src)).exists()
+
+
+def caught_signals(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return int(line.split()[1], 16)
+    raise AssertionError("no SigCgt line")
+
+
+def torch_loaded(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+@pytest.mark.parametrize("script,args,message", [
+    ("fp8-convert", ["{src}", "{out}", "--scheme", "dynamic"], "error: interrupted; nothing was written to {out}"),
+    ("fp8kit", ["resolve", "Qwen/Qwen3-8B-Base"], "error: interrupted; nothing was changed"),
+])
+def test_ctrl_c_while_the_console_script_imports_torch_is_one_line(tmp_path, llama_dir, script, args, message):
+    """The console script sets up its interrupt handling before torch and transformers are imported, so a
+    Ctrl-C in the first second is one line and exit 130, not a KeyboardInterrupt traceback and -2."""
+    exe = Path(sys.executable).parent / script
+    if not exe.exists():
+        pytest.skip(f"{script} is not installed beside {sys.executable}")
+    out = tmp_path / "out"
+    args = [a.format(src=llama_dir, out=out) for a in args]
+    proc = subprocess.Popen([str(exe), *args], env=env_for(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    start = time.time()
+    # Wait until the process handles SIGTERM (the sign that its interrupt handling is set up) or for 0.5 s,
+    # well inside the ~1 s torch takes to import.
+    while proc.poll() is None and time.time() - start < 0.5 and not caught_signals(proc.pid) & (1 << (signal.SIGTERM - 1)):
+        time.sleep(0.001)
+    waited = time.time() - start
+    assert proc.poll() is None, f"{script} finished (exit {proc.returncode}) before it could be interrupted"
+    assert not torch_loaded(proc.pid), f"{script} imported torch before it set up its interrupt handling"
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (proc.returncode, f"SIGINT after {waited:.3f} s", err)
+    # before the command line is parsed (a busy machine), the generic line: as true, and as short
+    assert err.strip().splitlines() in ([message.format(out=out)], ["error: interrupted; nothing was changed"]), err
+    assert not out.exists()
