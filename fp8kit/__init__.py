@@ -14,4 +14,13 @@ def __getattr__(name):
         from fp8kit import converter
 
         return getattr(converter, name)
+    if name == "converter":  # `import fp8kit; fp8kit.converter.X`, as before it was lazy (the package is light)
+        import importlib
+
+        return importlib.import_module("fp8kit.converter")
     raise AttributeError(f"module 'fp8kit' has no attribute {name!r}")
+
+
+def __dir__():
+    """The lazy names too, for dir(), inspect.getmembers() and completion."""
+    return sorted(set(globals()) | set(__all__) | {"converter"})

@@ -57,8 +57,14 @@ class _Interruptible:
         with sigterm_as_interrupt():
             try:
                 rv = super().main(args, prog_name, complete_var, False, **extra)
-            except (KeyboardInterrupt, click.exceptions.Abort):
+            except KeyboardInterrupt:
                 _fail("interrupted; nothing was changed", 130)
+            except click.exceptions.Abort as e:
+                # click makes an Abort of Ctrl-C (and SIGTERM, see above), and also of end of input (EOFError, e.g.
+                # at a prompt): only the first is an interrupt
+                if isinstance(e.__cause__ or e.__context__, KeyboardInterrupt):
+                    _fail("interrupted; nothing was changed", 130)
+                _fail("aborted")
             except click.ClickException as e:
                 e.show()
                 sys.exit(e.exit_code)
@@ -69,6 +75,8 @@ class _Interruptible:
             return super().invoke(ctx)
         except KeyboardInterrupt:
             _fail(f"interrupted; {self.interrupted.format(**ctx.params)}", 130)
+        except EOFError as e:  # end of input: an Abort here, before click's own handler prints a blank line for it
+            raise click.exceptions.Abort() from e
 
 
 class _Command(_Interruptible, click.Command):
@@ -112,12 +120,32 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
     # SIGTERM unwinds like Ctrl-C (set up by main(), see _Interruptible), so the temporary output is removed.
     try:
         from fp8kit.converter import convert
+        from fp8kit.registry.cache import entry_lock, record_conversion
 
-        with warnings.catch_warnings(), _stdout_to_stderr(as_json):
-            warnings.simplefilter("ignore")
-            report = convert(src, out, scheme=scheme, format=fmt, ignore=list(ignore), device=device,
-                             max_shard_size=max_shard_size, overwrite=overwrite, progress=sys.stderr.isatty(),
-                             calibration=calibration, lm_head=lm_head, kv_cache=kv_cache)
+        # OUT inside the cache (the command `fp8kit resolve` prints): under the entry's lock, as ensure() converts,
+        # so that a concurrent ensure() waits instead of removing this conversion's temporary folder as stale
+        try:
+            lock = entry_lock(out)
+            if lock is not None:
+                try:
+                    lock.acquire(timeout=0)
+                except TimeoutError:  # filelock.Timeout
+                    click.echo(f"waiting for another conversion of {out} to finish", err=True)
+                    lock.acquire()
+        except OSError as e:
+            raise Fp8kitError(f"{out}: cannot write there ({e.strerror or e}); nothing was converted") from e
+        try:
+            with warnings.catch_warnings(), _stdout_to_stderr(as_json):
+                warnings.simplefilter("ignore")
+                report = convert(src, out, scheme=scheme, format=fmt, ignore=list(ignore), device=device,
+                                 max_shard_size=max_shard_size, overwrite=overwrite, progress=sys.stderr.isatty(),
+                                 calibration=calibration, lm_head=lm_head, kv_cache=kv_cache)
+            if lock is not None and not (ignore or lm_head or kv_cache or calibration) and \
+                    scheme in ("dynamic", "block", "tensor"):
+                record_conversion(src, out, scheme, fmt, report.seconds)  # ensure() then uses it as its own
+        finally:
+            if lock is not None:
+                lock.release()
     except Fp8kitError as e:
         _fail(str(e))
     except KeyboardInterrupt:
@@ -218,18 +246,19 @@ def cache_list(as_json):
     from fp8kit.registry.cache import list_entries, list_unfinished
 
     rows = list_entries()
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
+    unfinished = list_unfinished()
+    if as_json:  # unfinished folders last, with "status": "unfinished"
+        click.echo(json.dumps(rows + unfinished, indent=2))
         return
     for r in rows:
         click.echo(f"{r['name'] or '?':<40} {r['scheme'] or '?':<8} {r['bytes'] / 1e9:7.2f} GB  "
                    f"{'ok' if r['ok'] else 'BROKEN'}  {r['path']}")
-    unfinished = list_unfinished()
     for r in unfinished:
-        click.echo(f"{'(unfinished conversion)':<40} {'?':<8} {r['bytes'] / 1e9:7.2f} GB  UNFINISHED  {r['path']}")
+        click.echo(f"{r['name'] or '(unfinished conversion)':<40} {r['scheme'] or '?':<8} {r['bytes'] / 1e9:7.2f} GB  "
+                   f"UNFINISHED  {r['path']}")
     if unfinished:
         click.echo("UNFINISHED: a conversion in progress, or one killed outright; the next conversion of that model "
-                   "or `fp8kit cache rm NAME` removes it", err=True)
+                   "or `fp8kit cache rm NAME` (NAME as listed) removes it", err=True)
 
 
 @cache.command("rm", interrupted="some of the entries may be removed already: run it again to finish")

@@ -156,3 +156,59 @@ def test_ctrl_c_while_the_console_script_imports_torch_is_one_line(tmp_path, lla
     # before the command line is parsed (a busy machine), the generic line: as true, and as short
     assert err.strip().splitlines() in ([message.format(out=out)], ["error: interrupted; nothing was changed"]), err
     assert not out.exists()
+
+
+def _prompting_command():
+    import click
+
+    from fp8kit.cli import _Command
+
+    @click.command(cls=_Command)
+    @click.option("--how", type=click.Choice(["prompt", "input", "abort"]))
+    def ask(how):
+        if how == "prompt":
+            click.prompt("name")
+        elif how == "input":
+            input()
+        else:
+            raise click.Abort()
+
+    return ask
+
+
+@pytest.mark.parametrize("how", ["prompt", "input", "abort"])
+def test_end_of_input_is_aborted_exit_1_not_an_interrupt(how):
+    """click makes an Abort of an EOFError too (a prompt at the end of its input): that is one line and exit 1, as
+    click's `Aborted!` was, never the interrupt line and 130, and no blank line."""
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(_prompting_command(), ["--how", how], input="")
+    assert result.exit_code == 1, result.output
+    assert result.stderr == "error: aborted\n", repr(result.stderr)
+
+
+def test_ctrl_c_at_a_prompt_is_still_the_interrupt_line():
+    from unittest import mock
+
+    from click.testing import CliRunner
+
+    with mock.patch("click.termui._readline_prompt", side_effect=KeyboardInterrupt):
+        result = CliRunner().invoke(_prompting_command(), ["--how", "prompt"])
+    assert result.exit_code == 130 and "error: interrupted; nothing was changed" in result.stderr, result.output
+
+
+def test_lazy_names_are_listed_and_the_converter_subpackage_is_an_attribute():
+    """`convert` and `ConvertReport` are in dir() and inspect.getmembers() though imported on first use, and
+    `fp8kit.converter` after `import fp8kit` resolves (it did before they were lazy) without importing torch."""
+    code = """
+import inspect, sys
+import fp8kit
+assert {"convert", "ConvertReport", "converter"} <= set(dir(fp8kit)), dir(fp8kit)
+converter = fp8kit.converter
+assert "torch" not in sys.modules
+assert {"convert", "ConvertReport", "SCHEMES"} <= set(dir(converter)), dir(converter)
+names = dict(inspect.getmembers(fp8kit))
+assert names["convert"] is converter.convert and names["ConvertReport"] is converter.ConvertReport
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -191,3 +191,186 @@ def test_pinned_revision_is_converted_where_resolve_says(tmp_path, llama_dir, mo
         assert entry.parent.parent == tmp_path / "fp8cache" / "me--tiny"
     result = CliRunner().invoke(main, ["cache", "rm", f"me/tiny@{commit}"])
     assert result.exit_code == 0, result.stderr
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def pinned_hub(tmp_path, llama_dir, monkeypatch):
+    """`me/tiny` in a fake HF cache, main at COMMIT, offline."""
+    import shutil
+
+    repo = tmp_path / "hub" / "models--me--tiny"
+    shutil.copytree(llama_dir, repo / "snapshots" / COMMIT)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    return tmp_path / "fp8cache"
+
+
+def _no_conversion(*args, **kwargs):
+    raise AssertionError("converted again")
+
+
+@pytest.mark.parametrize("revision", ["main", COMMIT])
+def test_an_entry_of_the_old_pinned_layout_is_moved_not_converted_again(pinned_hub, monkeypatch, revision):
+    """Before pinned names moved into the repo's folder, `me/tiny@rev` was cached under `me--tiny@rev/<commit>/`:
+    such an entry is moved into `me--tiny/<commit>/` and used, and `cache list` shows it once."""
+    from fp8kit.registry import ensure
+    from fp8kit.registry.cache import cached_conversion
+
+    name = f"me/tiny@{revision}"
+    entry = cached_conversion(name, "dynamic")
+    legacy = pinned_hub / f"me--tiny@{revision}" / COMMIT / entry.name
+    legacy.parent.mkdir(parents=True)
+    entry.rename(legacy)
+    (entry.parent / (entry.name + ".lock")).unlink()
+    entry.parent.rmdir()
+    entry.parent.parent.rmdir()
+    (legacy.parent / (legacy.name + ".lock")).write_text("")
+
+    monkeypatch.setattr("fp8kit.converter.convert", _no_conversion)
+    assert ensure(name, "dynamic") == entry
+    assert not (pinned_hub / f"me--tiny@{revision}").exists()
+    listing = CliRunner().invoke(main, ["cache", "list", "--json"])
+    rows = json.loads(listing.stdout)
+    assert [(r["name"], r["path"], r["ok"]) for r in rows] == [(name, str(entry), True)]
+    assert cached_conversion(name, "dynamic") == entry
+
+
+def test_cache_rm_of_a_pinned_name_removes_its_unfinished_conversion(pinned_hub):
+    """A pinned conversion killed outright leaves a partial folder and a lock: `cache list` names the model (as
+    `cache rm` takes it, also in --json) and `cache rm org/name@rev` removes it; a held lock (a conversion in
+    progress) keeps its folder."""
+    from filelock import FileLock
+
+    from fp8kit.registry.resolution import entry_name
+
+    commit_dir = pinned_hub / "me--tiny" / COMMIT
+    commit_dir.mkdir(parents=True)
+    stale = commit_dir / f".{entry_name('dynamic')}.partial-abcd1234"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"\0" * 1000)
+    (commit_dir / f"{entry_name('dynamic')}.lock").write_text("")
+
+    listing = CliRunner().invoke(main, ["cache", "list"])
+    assert listing.exit_code == 0
+    [row] = [line for line in listing.stdout.splitlines() if "UNFINISHED" in line]
+    assert row.startswith(f"me/tiny@{COMMIT} ") and str(stale) in row
+    rows = json.loads(CliRunner().invoke(main, ["cache", "list", "--json"]).stdout)
+    assert [(r["name"], r["status"], r["path"], r["scheme"]) for r in rows] == [
+        (f"me/tiny@{COMMIT}", "unfinished", str(stale), "dynamic")]
+
+    held = FileLock(commit_dir / f"{entry_name('dynamic')}.lock")
+    with held:  # a conversion in progress: its folder stays
+        result = CliRunner().invoke(main, ["cache", "rm", "me/tiny@main"])
+    assert stale.exists()
+    for name in ("me/tiny@main",):
+        result = CliRunner().invoke(main, ["cache", "rm", name])
+        assert result.exit_code == 0, result.stderr
+        assert str(stale) in result.stdout
+    assert not stale.exists() and not (pinned_hub / "me--tiny").exists()
+
+
+def test_cache_list_json_keeps_the_keys_of_finished_entries(pinned_hub):
+    from fp8kit.registry.cache import cached_conversion
+
+    entry = cached_conversion("me/tiny@main", "dynamic")
+    rows = json.loads(CliRunner().invoke(main, ["cache", "list", "--json"]).stdout)
+    assert rows == [{"name": "me/tiny@main", "scheme": "dynamic", "format": "compressed-tensors", "commit": COMMIT,
+                     "path": str(entry), "bytes": rows[0]["bytes"], "ok": True}]
+
+
+def test_cache_list_while_a_conversion_renames_its_folders(tmp_path, llama_dir, monkeypatch):
+    """A running conversion renames and removes its partial and old folders: a file or folder that vanishes between
+    listing and stat is left out, never a FileNotFoundError."""
+    import shutil
+    from pathlib import Path
+
+    from fp8kit.converter import source
+    from fp8kit.registry.cache import cached_conversion
+
+    src = tmp_path / "tiny"
+    shutil.copytree(llama_dir, src)
+    entry = cached_conversion(str(src), "dynamic")
+    partial = entry.parent / f".{entry.name}.partial-abcd1234"
+    shutil.copytree(entry, partial)
+
+    is_file = Path.is_file
+
+    def vanishing(self):  # the converter renames the partial folder right after this check
+        found = is_file(self)
+        if found and partial in self.parents and partial.exists():
+            partial.rename(entry.parent / "renamed-away")
+        return found
+
+    monkeypatch.setattr(Path, "is_file", vanishing)
+    folder_files = source.folder_files
+
+    def replaced(folder):  # an --overwrite conversion replaces the entry right after it is listed
+        names = folder_files(folder)
+        if folder == entry:
+            shutil.rmtree(entry)
+        return names
+
+    monkeypatch.setattr(source, "folder_files", replaced)
+    result = CliRunner().invoke(main, ["cache", "list"])
+    assert result.exit_code == 0, result.output
+    assert result.exception is None
+    assert str(entry) not in result.stdout
+
+
+def test_fp8_convert_into_the_cache_takes_the_entry_lock_and_is_used_by_ensure(tmp_path, llama_dir, monkeypatch):
+    """The command `fp8kit resolve` prints converts under the entry's lock (a concurrent ensure() waits rather than
+    removing its partial folder as stale) and writes the completion marker, so ensure() uses that conversion."""
+    import shlex
+    import shutil
+
+    from filelock import FileLock, Timeout
+
+    from fp8kit.cli import fp8_convert
+    from fp8kit.registry import ensure, resolve
+
+    src = tmp_path / "tiny"
+    shutil.copytree(llama_dir, src)
+    answer = resolve(str(src), "dynamic")
+    argv = shlex.split(answer.convert_command)
+    assert argv[0] == "fp8-convert"
+
+    from fp8kit.converter import convert
+
+    def locked_convert(*args, **kwargs):
+        with pytest.raises(Timeout):
+            FileLock(answer.cache_dir + ".lock").acquire(timeout=0)
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr("fp8kit.converter.convert", locked_convert)
+    result = CliRunner().invoke(fp8_convert, argv[1:])
+    assert result.exit_code == 0, result.output
+    monkeypatch.setattr("fp8kit.converter.convert", _no_conversion)
+    assert str(ensure(str(src), "dynamic")) == answer.cache_dir
+
+
+@pytest.mark.parametrize("linked", ["model", "commit"])
+def test_pinned_cache_rm_never_deletes_behind_a_link(tmp_path, pinned_hub, linked):
+    """Like an unpinned `cache rm`, which removes a linked model folder's link and not its target, a pinned one
+    leaves what a linked model or commit folder points to."""
+    import shutil
+
+    from fp8kit.registry.cache import cached_conversion
+
+    entry = cached_conversion("me/tiny@main", "dynamic")
+    folder = entry.parent.parent if linked == "model" else entry.parent
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(str(folder), str(elsewhere))
+    folder.symlink_to(elsewhere, target_is_directory=True)
+    assert entry.is_dir()
+    CliRunner().invoke(main, ["cache", "rm", "me/tiny@main"])
+    kept = elsewhere / entry.name if linked == "commit" else elsewhere / COMMIT / entry.name
+    assert (kept / "fp8kit-entry.json").exists()

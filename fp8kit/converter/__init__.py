@@ -15,3 +15,8 @@ def __getattr__(name):
 
         return SCHEMES
     raise AttributeError(f"module 'fp8kit.converter' has no attribute {name!r}")
+
+
+def __dir__():
+    """The lazy names too, for dir(), inspect.getmembers() and completion."""
+    return sorted(set(globals()) | set(__all__))

@@ -16,7 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from fp8kit.converter import source
 from fp8kit.converter.safetensors_io import read_header
@@ -139,24 +139,86 @@ def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -
     try:
         if verify(entry):  # another process finished it while this one waited
             return entry
+        if _adopt_legacy(name, entry):  # made before pinned names moved into the repo's folder
+            return entry
         remove_unfinished(entry)  # left by a conversion killed outright: no other process holds this lock
         from fp8kit.converter import convert
 
         report = convert(src, entry, scheme=scheme, format=fmt, overwrite=True)
-        # A local checkpoint is recorded by its absolute path: `cache rm` of the same relative name in another
-        # folder must not match it.
-        local = Path(name).expanduser()
-        marker = {"name": str(local.resolve()) if local.is_dir() else name, "source": str(src), "scheme": scheme,
-                  "format": fmt, "files": {f: (entry / f).stat().st_size for f in source.folder_files(entry)},
-                  "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": report.seconds}
-        tmp = entry / (MARKER + ".tmp")
-        tmp.write_text(json.dumps(marker, indent=2) + "\n")
-        tmp.rename(entry / MARKER)
-        with open(cache_root() / LOG, "a") as log:
-            log.write(f"{marker['converted_at']} {marker['name']} {scheme} -> {entry}\n")
+        _write_marker(entry, name, src, scheme, fmt, report.seconds)
     finally:
         lock.release()
     return entry
+
+
+def _write_marker(entry: Path, name: str, src: Path, scheme: str, fmt: str, seconds: float) -> None:
+    """The completion marker (written last, by rename) and the conversions log line."""
+    # A local checkpoint is recorded by its absolute path: `cache rm` of the same relative name in another
+    # folder must not match it.
+    local = Path(name).expanduser()
+    marker = {"name": str(local.resolve()) if local.is_dir() else name, "source": str(src), "scheme": scheme,
+              "format": fmt, "files": {f: (entry / f).stat().st_size for f in source.folder_files(entry)},
+              "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": seconds}
+    tmp = entry / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(marker, indent=2) + "\n")
+    tmp.rename(entry / MARKER)
+    with open(cache_root() / LOG, "a") as log:
+        log.write(f"{marker['converted_at']} {marker['name']} {scheme} -> {entry}\n")
+
+
+def _legacy_model_dir(name: str) -> Path | None:
+    """Where fp8kit before 0.1.0's pinned layout kept a pinned name: `{org}--{name}@{revision}`."""
+    if "@" not in name or Path(name).expanduser().is_dir():
+        return None
+    return cache_root() / name.replace("/", "--")
+
+
+def _adopt_legacy(name: str, entry: Path) -> bool:
+    """Move a complete entry of the old pinned layout (`org--name@rev/<commit>/<entry>`) to `entry`; the caller
+    holds `entry`'s lock. The legacy folders go once empty."""
+    legacy_model = _legacy_model_dir(name)
+    if legacy_model is None or legacy_model.is_symlink():
+        return False
+    legacy = legacy_model / entry.parent.name / entry.name
+    if legacy.parent.is_symlink() or legacy.is_symlink() or not verify(legacy):
+        return False
+    if entry.exists():  # an incomplete entry of the new layout: the complete one replaces it
+        shutil.rmtree(entry)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    legacy.rename(entry)
+    (legacy.parent / (legacy.name + ".lock")).unlink(missing_ok=True)
+    for folder in (legacy.parent, legacy_model):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+    return True
+
+
+def entry_lock(out: str | Path) -> FileLock | None:
+    """The lock `ensure()` takes for a cache entry, when `out` lies inside the cache (an `fp8-convert` into the
+    cache, as `fp8kit resolve` prints it); None elsewhere."""
+    out = Path(out).expanduser().absolute()
+    root = cache_root().expanduser().absolute()
+    if out == root or root not in out.parents:
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(out.parent / (out.name + ".lock"))
+
+
+def record_conversion(name: str, out: str | Path, scheme: str, fmt: str, seconds: float) -> bool:
+    """After `fp8-convert NAME OUT` made exactly the entry `ensure(NAME)` would (OUT is that entry's folder, default
+    options), write its completion marker so that ensure() uses it; the caller holds the entry's lock."""
+    out = Path(out).expanduser().absolute()
+    try:
+        src = source.resolve(name)
+        expected = model_dir(name) / _source_commit(src) / entry_name(scheme, fmt)
+    except (Fp8kitError, OSError):
+        return False
+    if expected.expanduser().absolute() != out or not out.is_dir():
+        return False
+    _write_marker(out, name, src, scheme, fmt, seconds)
+    return True
 
 
 def _unfinished_of(entry: Path) -> list[Path]:
@@ -172,17 +234,65 @@ def remove_unfinished(entry: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _size(files) -> int:
+    """Bytes of these files; a file a running conversion renames or removes meanwhile counts 0."""
+    total = 0
+    for f in files:
+        try:
+            total += f.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+_UNFINISHED = re.compile(r"\.(?P<entry>.+)\.(?:partial|old)-[^/]*")
+_ENTRY = re.compile(r"(?P<scheme>.+?)-(?P<format>compressed-tensors|fp8)-fp8kit.*")
+
+
+def _unfinished_name(model: Path, commit: Path) -> str | None:
+    """The NAME `cache rm` takes for an unfinished folder in `model/commit`: `org/name@commit` for a Hub repo (the
+    legacy `org--name@rev` folder: `org/name@rev`); a local checkpoint's path as a finished entry beside it
+    records it, else None."""
+    if model.name.startswith("local--"):
+        for marker in sorted(model.glob(f"*/*/{MARKER}")):
+            try:
+                info = json.loads(marker.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(info, dict) and isinstance(info.get("name"), str):
+                return info["name"]
+        return None
+    org, sep, repo = model.name.partition("--")
+    if not sep:
+        return None
+    return f"{org}/{repo}" if "@" in repo else f"{org}/{repo}@{commit.name}"
+
+
 def list_unfinished() -> list[dict]:
     """Temporary folders of conversions in progress or killed outright: shown by `cache list`, removed by the next
-    conversion of that entry or by `cache rm`."""
+    conversion of that entry or by `cache rm` (of the NAME given here). A folder that a conversion renames or
+    removes while this runs is left out."""
     root = cache_root()
     if not root.is_dir():
         return []
     rows = []
     for folder in sorted(root.glob("*/*/.*")):
-        if folder.is_dir() and not folder.is_symlink() and (".partial-" in folder.name or ".old-" in folder.name):
-            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-            rows.append({"path": str(folder), "bytes": size})
+        m = _UNFINISHED.fullmatch(folder.name)
+        if not m or not (".partial-" in folder.name or ".old-" in folder.name):
+            continue
+        try:
+            if not folder.is_dir() or folder.is_symlink():
+                continue
+            size = _size(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+        except OSError:  # renamed or removed by its conversion meanwhile
+            continue
+        if not folder.is_dir():
+            continue
+        kind = _ENTRY.fullmatch(m["entry"])
+        rows.append({"name": _unfinished_name(folder.parent.parent, folder.parent),
+                     "scheme": kind["scheme"] if kind else None, "format": kind["format"] if kind else None,
+                     "commit": folder.parent.name, "path": str(folder), "bytes": size, "ok": False,
+                     "status": "unfinished"})
     return rows
 
 
@@ -191,9 +301,14 @@ def list_entries() -> list[dict]:
     rows = []
     for marker in sorted(root.glob(f"*/*/*/{MARKER}")):
         entry = marker.parent
-        size = sum((entry / f).stat().st_size for f in source.folder_files(entry))
+        try:
+            size = _size(entry / f for f in source.folder_files(entry))
+        except OSError:  # replaced (overwritten) or removed by a conversion meanwhile
+            continue
         try:
             info = json.loads(marker.read_text())
+        except FileNotFoundError:
+            continue
         except (OSError, ValueError):
             info = {}
         if not isinstance(info, dict):
@@ -215,7 +330,11 @@ def remove(name: str | None = None) -> list[Path]:
         # an existing folder means that checkpoint (recorded by its absolute path); otherwise the name as recorded
         recorded_as = str(local.resolve()) if local.is_dir() else name
         if "@" in name and not local.is_dir():  # a pinned revision: its own entries, not the repo's other commits
-            return _remove_entries([Path(row["path"]) for row in list_entries() if row["name"] == name])
+            entries = [Path(row["path"]) for row in list_entries() if row["name"] == name]
+            # never through a link: like an unpinned rm, what a linked folder points to is not ours to delete
+            entries = [e for e in entries if not (e.is_symlink() or e.parent.is_symlink()
+                                                  or e.parent.parent.is_symlink())]
+            return _remove_unfinished_of_revision(name, {e.parent for e in entries}) + _remove_entries(entries)
         recorded = {Path(row["path"]).parent.parent for row in list_entries() if row["name"] == recorded_as}
         targets = [p for p in ours if p == model_dir(name) or p in recorded]
     else:
@@ -226,6 +345,45 @@ def remove(name: str | None = None) -> list[Path]:
         model_dir(name).unlink()
         targets.append(model_dir(name))
     return targets
+
+
+def _remove_unfinished_of_revision(name: str, commits: set[Path]) -> list[Path]:
+    """Unfinished folders of a pinned name: in its commit's folder (the commit as the HF cache knows it, and those of
+    its finished entries) and in the legacy `org--name@rev` folder. Each is removed under its entry's lock, taken
+    without waiting: one whose lock is held belongs to a conversion in progress and stays."""
+    commit = known_commit(name)
+    if commit:
+        commits.add(model_dir(name) / commit)
+    legacy = _legacy_model_dir(name)
+    if legacy is not None and legacy.is_dir() and not legacy.is_symlink():
+        commits.update(p for p in legacy.iterdir() if p.is_dir())
+    removed = []
+    for folder in sorted(commits):
+        if folder.is_symlink() or folder.parent.is_symlink() or not folder.is_dir():
+            continue
+        for unfinished in sorted(folder.glob(".*")):
+            m = _UNFINISHED.fullmatch(unfinished.name)
+            if not m or unfinished.is_symlink() or not unfinished.is_dir():
+                continue
+            lock_path = folder / (m["entry"] + ".lock")
+            lock = FileLock(lock_path)
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                continue
+            try:
+                shutil.rmtree(unfinished, ignore_errors=True)
+                if not (folder / m["entry"]).exists():
+                    lock_path.unlink(missing_ok=True)
+            finally:
+                lock.release()
+            removed.append(unfinished)
+        for f in (folder, folder.parent):  # empty commit and model folders go too
+            try:
+                f.rmdir()
+            except OSError:
+                pass
+    return removed
 
 
 def _remove_entries(entries: list[Path]) -> list[Path]:
