@@ -87,7 +87,7 @@ def test_triton_grad_quantizer_and_transpose_write_torch_bytes(scheme):
 def test_triton_block_gemm_matches_float64(m, n, k):
     """fp8kit's Triton block GEMM (what block layers run where cuBLAS cannot scale blocks) against a float64
     product of the same FP8 operands, for sizes that are not tile multiples too; on SM90 also the dispatching op
-    (cuBLAS, one token among the cases; Triton for a partial row block and for K/128 not a multiple of 4)."""
+    (cuBLAS, with one token and K/128 of 2 and 7 among the cases; Triton for a partial row block)."""
     from fp8kit.rl.fp8_linear import block_scaled_mm, cublas_block_scaling
     from fp8kit.rl.triton_block_gemm import block_scaled_mm_triton
 
@@ -204,7 +204,7 @@ def test_loaded_model_on_cuda(tmp_path, llama_dir):
 
 def test_block_model_generates_one_sequence_on_cuda(tmp_path, llama_dir):
     """A block checkpoint decodes a batch of one (one token per step, a 7-token prompt first) on the GPU: with
-    hidden 256 and MLP 512, the layers take both the Triton GEMM (K/128 = 2) and cuBLAS with padded M (K = 512),
+    hidden 256 and MLP 512, on SM90 the layers take cuBLAS with padded M and padded weight-scale rows (K/128 = 2),
     and the logits of the prompt agree with the CPU load as in test_loaded_model_on_cuda."""
     from fp8kit import convert
 

@@ -321,17 +321,35 @@ def test_block_layers_run_on_every_fp8_gpu(monkeypatch):
             assert "install triton" in report["torch"]["unsupported"]["block"]
 
 
+def _block_product_f64(xq, xs, weight, ws):
+    """The block GEMM's contract in float64: (xq * xs per 1x128 group) @ (weight * ws per 128x128 block).T, ws with
+    ceil(N/128) rows."""
+    m, k = xq.shape
+    x = (xq.double().reshape(m, -1, 128) * xs.double()[:, :, None]).reshape(m, k)
+    w = weight.double() * ws.double().repeat_interleave(128, 0)[:weight.shape[0]].repeat_interleave(128, 1)
+    return x @ w.t()
+
+
+def _fake_block_kernels(monkeypatch, triton_stand_in, cublas: bool) -> None:
+    """Replace fp8kit's Triton block GEMM module with a CPU stand-in and say whether this 'GPU' has cuBLAS blocks."""
+    import sys
+    import types
+
+    from fp8kit.rl import fp8_linear
+
+    kernel = types.ModuleType("fp8kit.rl.triton_block_gemm")
+    kernel.block_scaled_mm_triton = triton_stand_in
+    monkeypatch.setitem(sys.modules, "fp8kit.rl.triton_block_gemm", kernel)
+    monkeypatch.setattr(fp8_linear, "cublas_block_scaling", lambda device: cublas)
+
+
 @pytest.mark.parametrize("fp8_backward", [False, True])
 def test_block_gemm_off_sm90_goes_to_the_triton_kernel(monkeypatch, fp8_backward):
     """Where cuBLAS cannot scale blocks, the forward and the FP8 input-gradient GEMMs call
     triton_block_gemm.block_scaled_mm_triton with its documented operands (x [M, K] with scales [M, K/128], weight
     [N, K] with scales [N/128, K/128]); here a float64 stand-in with that contract replaces the Triton kernel on the
     CPU, and the layer must compute the reference backend's function."""
-    import sys
-    import types
-
     from fp8kit.converter.schemes import SCHEMES, quantize_weight
-    from fp8kit.rl import fp8_linear
 
     calls = []
 
@@ -340,14 +358,9 @@ def test_block_gemm_off_sm90_goes_to_the_triton_kernel(monkeypatch, fp8_backward
         assert xs.shape == (m, k // 128) and ws.shape == (-(-n // 128), k // 128), (xq.shape, weight.shape, xs.shape,
                                                                                    ws.shape)
         calls.append((m, n, k))
-        x = (xq.double().reshape(m, -1, 128) * xs.double()[:, :, None]).reshape(m, k)
-        w = weight.double() * ws.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
-        return (x @ w.t()).to(out_dtype)
+        return _block_product_f64(xq, xs, weight, ws).to(out_dtype)
 
-    kernel = types.ModuleType("fp8kit.rl.triton_block_gemm")
-    kernel.block_scaled_mm_triton = stand_in
-    monkeypatch.setitem(sys.modules, "fp8kit.rl.triton_block_gemm", kernel)
-    monkeypatch.setattr(fp8_linear, "cublas_block_scaling", lambda device: False)
+    _fake_block_kernels(monkeypatch, stand_in, cublas=False)
     g = torch.Generator().manual_seed(7)
     w_q, w_s = quantize_weight(torch.randn(256, 384, generator=g) * 0.05, SCHEMES["block"], torch.float32)
     x = torch.randn(2, 5, 384, generator=g)
@@ -372,22 +385,10 @@ def test_block_layer_with_a_partial_row_block_takes_the_exact_gradient_under_fp8
     """Out features 200 (a partial last 128-row block, as fp8-format checkpoints may have): the forward runs the
     block GEMM with ceil(200/128) scale rows; with fp8_backward the output gradient cannot split into 1x128 groups,
     so the input gradient is the exact one (it failed on a reshape)."""
-    import sys
-    import types
-
     from fp8kit.converter.schemes import SCHEMES, quantize_weight
-    from fp8kit.rl import fp8_linear
 
-    def stand_in(xq, weight, xs, ws, out_dtype):
-        (m, k), n = xq.shape, weight.shape[0]
-        x = (xq.double().reshape(m, -1, 128) * xs.double()[:, :, None]).reshape(m, k)
-        return (x @ (weight.double() * ws.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)).t()
-                ).to(out_dtype)
-
-    kernel = types.ModuleType("fp8kit.rl.triton_block_gemm")
-    kernel.block_scaled_mm_triton = stand_in
-    monkeypatch.setitem(sys.modules, "fp8kit.rl.triton_block_gemm", kernel)
-    monkeypatch.setattr(fp8_linear, "cublas_block_scaling", lambda device: False)
+    _fake_block_kernels(monkeypatch, lambda xq, weight, xs, ws, out_dtype: _block_product_f64(xq, xs, weight, ws)
+                        .to(out_dtype), cublas=False)
     g = torch.Generator().manual_seed(3)
     w_q, w_s = quantize_weight(torch.randn(256, 384, generator=g) * 0.05, SCHEMES["block"], torch.float32)
     w_q = w_q[:200].contiguous()
@@ -404,7 +405,8 @@ def test_block_layer_with_a_partial_row_block_takes_the_exact_gradient_under_fp8
 
 
 def test_block_gemm_without_triton_where_it_is_needed_is_one_line(monkeypatch):
-    """SM90 without Triton: shapes cuBLAS refuses (here K = 384) need the Triton kernel; the error says so."""
+    """SM90 without Triton: a weight with a partial last row block (200 rows), which cuBLAS cannot scale, needs the
+    Triton kernel; the error says so."""
     import sys
 
     from fp8kit.errors import Fp8kitError
@@ -414,22 +416,19 @@ def test_block_gemm_without_triton_where_it_is_needed_is_one_line(monkeypatch):
     monkeypatch.setattr(fp8_linear, "cublas_block_scaling", lambda device: True)
     xq, xs = fp8_linear.quantize_activation(torch.randn(4, 384), "block")
     with pytest.raises(Fp8kitError) as e:
-        fp8_linear.block_scaled_mm(xq, torch.zeros(256, 384, dtype=torch.float8_e4m3fn), xs, torch.ones(2, 3),
+        fp8_linear.block_scaled_mm(xq, torch.zeros(200, 384, dtype=torch.float8_e4m3fn), xs, torch.ones(2, 3),
                                    torch.float32)
-    assert "pip install triton" in str(e.value) and "4x384 by 256x384" in str(e.value) and "\n" not in str(e.value)
+    assert "pip install triton" in str(e.value) and "4x384 by 200x384" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 256, 512), (7, 384, 2048), (12, 384, 2048), (10, 384, 896), (10, 200, 512)])
 def test_block_gemm_on_sm90_hands_cublas_the_scale_layout_torch_checks(monkeypatch, m, n, k):
     """On SM90 the block op calls F.scaled_mm with scales laid out as torch requires (its _meta_registrations.py,
-    1x128 x 128x128): activation scales [M, K/128] with strides (1, M), weight scales [K/128, N/128] with strides
-    (1, K/128), and M a multiple of 4 (one token, or 7, padded with zero rows: an H100's cuBLAS refuses others);
-    shapes cuBLAS refuses (K/128 not a multiple of 4) or cannot scale (a partial last row block) go to the Triton
-    kernel. Stand-ins enforce that contract on the CPU
-    and compute in float64; the result must be the float64 product of the dequantized operands."""
-    import sys
-    import types
-
+    1x128 x 128x128): activation scales [M, K/128] with strides (1, M); weight scales [L4, N/128] with strides
+    (1, L4), L4 = K/128 rounded up to 4 with zero rows (K = 896: 7 blocks, 8 rows); and M a multiple of 4 (one
+    token, or 7, padded with zero rows: an H100's cuBLAS refuses others). A partial last row block, which cuBLAS
+    cannot scale, goes to the Triton kernel. Stand-ins enforce that contract on the CPU and compute in float64; the
+    result must be the float64 product of the dequantized operands."""
     import torch.nn.functional as F
 
     from fp8kit.converter.schemes import SCHEMES, quantize_weight
@@ -437,28 +436,22 @@ def test_block_gemm_on_sm90_hands_cublas_the_scale_layout_torch_checks(monkeypat
 
     calls = []
 
-    def product(xq, xs, weight, ws):
-        x = (xq.double().reshape(xq.shape[0], -1, 128) * xs.double()[:, :, None]).reshape(xq.shape)
-        w = weight.double() * ws.double().repeat_interleave(128, 0)[:weight.shape[0]].repeat_interleave(128, 1)
-        return x @ w.t()
-
     def scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype):
         (mm, kk), nn_ = a.shape, b.shape[1]
+        l4 = -(-(kk // 128) // 4) * 4
         assert recipe_a == F.ScalingType.BlockWise1x128 and recipe_b == F.ScalingType.BlockWise128x128
-        assert kk % 512 == 0 and nn_ % 128 == 0 and mm % 4 == 0, (mm, kk, nn_)
+        assert nn_ % 128 == 0 and mm % 4 == 0, (mm, kk, nn_)
         assert scale_a.shape == (mm, kk // 128) and scale_a.stride() == (1, mm), (scale_a.shape, scale_a.stride())
-        assert scale_b.shape == (kk // 128, nn_ // 128) and scale_b.stride() == (1, kk // 128), scale_b.stride()
+        assert scale_b.shape == (l4, nn_ // 128) and scale_b.stride() == (1, l4), (scale_b.shape, scale_b.stride())
+        assert not scale_b[kk // 128:].any()  # the padding rows are zero
         calls.append("cublas")
-        return product(a, scale_a, b.t(), scale_b.t()).to(output_dtype)
+        return _block_product_f64(a, scale_a, b.t(), scale_b.t()[:, :kk // 128]).to(output_dtype)
 
     def triton(xq, weight, xs, ws, out_dtype):
         calls.append("triton")
-        return product(xq, xs, weight, ws).to(out_dtype)
+        return _block_product_f64(xq, xs, weight, ws).to(out_dtype)
 
-    kernel = types.ModuleType("fp8kit.rl.triton_block_gemm")
-    kernel.block_scaled_mm_triton = triton
-    monkeypatch.setitem(sys.modules, "fp8kit.rl.triton_block_gemm", kernel)
-    monkeypatch.setattr(fp8_linear, "cublas_block_scaling", lambda device: True)
+    _fake_block_kernels(monkeypatch, triton, cublas=True)
     monkeypatch.setattr(F, "scaled_mm", scaled_mm)
     g = torch.Generator().manual_seed(m + n + k)
     xq, xs = fp8_linear.quantize_activation(torch.randn(m, k, generator=g) * 3, "block")
@@ -466,7 +459,7 @@ def test_block_gemm_on_sm90_hands_cublas_the_scale_layout_torch_checks(monkeypat
     wq, ws = quantize_weight(torch.randn(rows, k, generator=g) * 0.02, SCHEMES["block"], torch.float32)
     wq = wq[:n].contiguous()
     got = fp8_linear.block_scaled_mm(xq, wq, xs, ws, torch.float32)
-    assert calls == ["triton" if n % 128 or k % 512 else "cublas"]
+    assert calls == ["triton" if n % 128 else "cublas"]
     assert got.shape == (m, n) and got._base is None  # not a view: layers add their bias in place
     want = (fp8_linear._dequantize_activation(xq, xs, "block").double()
             @ fp8_linear.dequantize_weight(wq, ws, "block", torch.float64).t())

@@ -78,29 +78,31 @@ def block_scaled_mm(xq: torch.Tensor, weight: torch.Tensor, xs: torch.Tensor, ws
     ws [N/128, K/128], all row-major. A custom op because torch.compile (torch 2.11) cannot trace
     F.scaled_mm's block-wise path; as an opaque op it stays inside one graph. cuBLAS scales blocks on SM90 only;
     other GPUs (L4, RTX 40/50, Blackwell) run the same arithmetic as a Triton kernel, as vLLM does there."""
-    if not cublas_block_scaling(xq.device) or weight.shape[0] % GROUP or xq.shape[1] % (4 * GROUP):
+    if not cublas_block_scaling(xq.device) or weight.shape[0] % GROUP:
         try:
             from fp8kit.rl.triton_block_gemm import block_scaled_mm_triton
         except ImportError as e:
             raise Fp8kitError(f"a block FP8 GEMM of {xq.shape[0]}x{xq.shape[1]} by {weight.shape[0]}x{weight.shape[1]} "
                               f"needs Triton on this GPU (cuBLAS scales 128x128 blocks on SM90 only, and there only "
-                              f"whole row blocks with K a multiple of 512): pip install triton ({e})") from None
+                              f"whole row blocks): pip install triton ({e})") from None
         return block_scaled_mm_triton(xq, weight, xs, ws, out_dtype)
     # cuBLAS block scaling (torch/_meta_registrations.py, is_1x128_128x128) wants outer-dim-major scales:
-    # activation scales [M, K/128] with strides exactly (1, M), weight scales [K/128, N/128] with strides
-    # (1, K/128), i.e. ws.t() (checked on an H200). Probed on an H100 (cuBLAS of torch 2.11+cu130), it refuses
-    # with CUBLAS_STATUS_NOT_SUPPORTED any M not a multiple of 4 (scale columns not 16-byte aligned) and any K/128
-    # not a multiple of 4, even with scales zero-padded as torch's check allows; torch also takes N // 128 weight
-    # blocks. So M is padded with up to 3 zero rows (one token of a batch-1 decode, an odd packed length), and a
-    # partial last row block or such a K (Qwen2.5-1.5B's 8960, Gemma3-1B's 1152) goes to the Triton kernel above.
-    m = xq.shape[0]
+    # activation scales [M, K/128] with strides exactly (1, M), and weight scales [L4, N/128] with strides (1, L4),
+    # L4 = K/128 rounded up to a multiple of 4 (zero rows past K/128), i.e. ws.t() over a padded buffer; it takes
+    # N // 128 weight blocks, so a partial last row block goes to the Triton kernel above. Probed on an H100 (cuBLAS
+    # of torch 2.11+cu130): M not a multiple of 4 is CUBLAS_STATUS_NOT_SUPPORTED (scale columns not 16-byte
+    # aligned), so M is padded with up to 3 zero rows (one token of a batch-1 decode, an odd packed length); padded
+    # weight scales give the float64 product for K/128 of 2, 7, 9 and 70 (Qwen2.5-1.5B's 8960, Gemma3-1B's 1152).
+    m, k_blocks = xq.shape[0], ws.shape[1]
     pad = -m % 4
     if pad:
         xq = torch.cat([xq, xq.new_zeros(pad, xq.shape[1])])
         xs = torch.cat([xs, xs.new_ones(pad, xs.shape[1])])
     xs_cm = torch.empty_strided(xs.shape, (1, xs.shape[0]), dtype=xs.dtype, device=xs.device).copy_(xs)
+    ws_rows = ws.new_zeros(ws.shape[0], -(-k_blocks // 4) * 4)
+    ws_rows[:, :k_blocks] = ws
     out = F.scaled_mm(xq, weight.t(), xs_cm, F.ScalingType.BlockWise1x128,
-                      ws.contiguous().t(), F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+                      ws_rows.t(), F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
     return out[:m].clone() if pad else out  # a custom op's output must not be a view (callers add bias in place)
 
 

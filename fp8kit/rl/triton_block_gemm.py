@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-GROUP = 128
+from fp8kit.rl.fp8_linear import GROUP
 
 _CONFIGS = [  # tiles x stages that fit the 99 KB of shared memory of SM89 (L4, RTX 40) as well as SM90's
     triton.Config({"BM": 128, "BN": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
