@@ -414,8 +414,6 @@ def _check_plan_field(where: str, key: str, value) -> None:
     """One plan field, top-level or in a [[model]] table: its type, and for schemes and repo_template what they hold."""
     if key in ("src", "base_model", "org") and not (isinstance(value, str) and value.strip()):
         raise Fp8kitError(f"{where}: '{key}' must be a non-empty string (not {value!r})")
-    if key == "max_kl" and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise Fp8kitError(f"{where}: 'max_kl' must be a number, e.g. max_kl = 0.01 (not {value!r})")
     if key == "max_kl":
         check_max_kl(value, f"{where}: 'max_kl'")
     if key == "schemes":

@@ -167,7 +167,7 @@ def _write_marker(entry: Path, name: str, src: Path, scheme: str, fmt: str, seco
 
 
 def _legacy_model_dir(name: str) -> Path | None:
-    """Where fp8kit before 0.1.0's pinned layout kept a pinned name: `{org}--{name}@{revision}`."""
+    """Where earlier fp8kit kept a pinned name, a folder of its own: `{org}--{name}@{revision}`."""
     if "@" not in name or Path(name).expanduser().is_dir():
         return None
     return cache_root() / name.replace("/", "--")
@@ -278,7 +278,7 @@ def list_unfinished() -> list[dict]:
     rows = []
     for folder in sorted(root.glob("*/*/.*")):
         m = _UNFINISHED.fullmatch(folder.name)
-        if not m or not (".partial-" in folder.name or ".old-" in folder.name):
+        if not m:
             continue
         try:
             if not folder.is_dir() or folder.is_symlink():
