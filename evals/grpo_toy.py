@@ -122,7 +122,7 @@ def run(args):
     import torch
 
     from fp8kit import convert
-    from fp8kit.rl.grpo import GRPOConfig, train
+    from fp8kit.rl.grpo import GRPOConfig, resume_checkpoint, train
     from fp8kit.rl.loader import check_device
     from fp8kit.rl.model import load_model
     from fp8kit.rl.vllm_engine import check_rollout_arguments
@@ -132,6 +132,7 @@ def run(args):
                         learning_rate=5e-3, loss_type=args.loss_type, seed=args.seed, output_dir=args.output_dir,
                         save_steps=args.save_steps)
     check_device(args.device)
+    resume = resume_checkpoint(args.resume) if args.resume else None
     if args.vllm:
         check_rollout_arguments(getattr(torch, args.dtype), LORA_RANK)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -154,7 +155,7 @@ def run(args):
     prompts = [prompt_text(rng) for _ in range(512)]
     print(json.dumps({"event": "start", "checkpoint": str(checkpoint), "scheme": model.fp8_scheme,
                       "rollout": model.rollout_engine.name, "prepare_s": round(prepared_s, 2)}), flush=True)
-    train(model, tokenizer, prompts, [last_digit_reward], config, resume_from=args.resume,
+    train(model, tokenizer, prompts, [last_digit_reward], config, resume_from=resume,
           on_step=lambda m: print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in m.items()}),
                                   flush=True))
 

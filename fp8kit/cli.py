@@ -374,10 +374,29 @@ def _plan_jobs(path, read_plan, src, base_model, schemes, repo_template, org, ma
         _fail(f"--plan {path}: its top level sets " + " and ".join(repr(k) for k, _ in both) + ", and the command line "
               f"gives " + " and ".join(o for _, o in both) + "; keep one (the command line's value is the default of a "
               f"plan that has none)", 2)
-    return [dict(src=m["src"], schemes=list(m["schemes"]), base_model=m.get("base_model"),
+    jobs = [dict(src=m["src"], schemes=list(m["schemes"]), base_model=m.get("base_model"),
                  repo_template=m.get("repo_template", plan.get("repo_template", repo_template)),
                  org=m.get("org", plan.get("org", org)), max_kl=m.get("max_kl", plan.get("max_kl", max_kl)))
             for m in plan["model"]]
+    _refuse_shared_repos(path, jobs)
+    return jobs
+
+
+def _refuse_shared_repos(path, jobs: list[dict]) -> None:
+    """Two [[model]] entries whose variants land in one repo (the default template fills it from the name alone, so
+    org-a/Foo and org-b/Foo collide): the later upload would replace the earlier one's weights under its name."""
+    from fp8kit.hub.publish import repo_id_for
+
+    seen = {}
+    for i, job in enumerate(jobs):
+        source = (job["src"], job["base_model"] or job["src"].partition("@")[0])
+        for scheme in job["schemes"]:
+            # an entry without org publishes under the token's user: one name for all such entries
+            repo_id = repo_id_for(job["repo_template"], job["org"] or "{token user}", source[1], scheme)
+            j, other = seen.setdefault(repo_id.lower(), (i, source))
+            if other != source:
+                _fail(f"--plan {path}: [[model]] number {j + 1} ({other[0]}) and number {i + 1} ({source[0]}) both "
+                      f"publish {scheme} to {repo_id}; give one of them another repo_template or org", 2)
 
 
 if __name__ == "__main__":

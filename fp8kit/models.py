@@ -25,6 +25,18 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(_COMMON, head_dim=64, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
                        decoder_sparse_step=1, mlp_only_layers=[])),
+    # Gemma 3 multimodal: a SigLIP vision tower whose encoder layers are named like the language model's
+    "gemma3_mm": ("Gemma3Config", "Gemma3ForConditionalGeneration",
+                  dict(text_config=dict(_COMMON, head_dim=64, sliding_window=64),
+                       vision_config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                          num_attention_heads=2, image_size=56, patch_size=14),
+                       mm_tokens_per_image=4, image_token_index=500, boi_token_index=501, eoi_token_index=502)),
+    # Granite 4.0-h: Mamba and attention layers, experts fused into 3-D `block_sparse_moe.input_linear.weight`
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                         dict(_COMMON, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2,
+                              shared_intermediate_size=256, layer_types=["mamba", "attention"], mamba_n_heads=8,
+                              mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_expand=1,
+                              tie_word_embeddings=False)),
 }
 
 

@@ -16,11 +16,66 @@ import torch
 from fp8kit.converter.schemes import SCHEMES, dequantize_weight
 
 
-def scheme_of(quantization_config: dict) -> str:
-    if quantization_config.get("quant_method") == "fp8":
-        return "block" if quantization_config.get("weight_block_size") else "tensor"
-    strategy = quantization_config["config_groups"]["group_0"]["weights"]["strategy"]
-    return {"channel": "dynamic", "block": "block", "tensor": "tensor"}[strategy]
+def scheme_of(quantization_config: dict, where: str = "quantization_config") -> str:
+    """The FP8 scheme of a checkpoint's quantization_config: 'dynamic' (per-channel weights), 'block' (128x128) or
+    'tensor'. Anything else (INT8 W8A8 or INT4 compressed-tensors, FP4, config groups with different schemes,
+    other block sizes, an e5m2 or unknown quant_method) raises Fp8kitError, one line starting with `where` (the
+    file, or what the dict is) that says what the checkpoint is and what fp8kit reads."""
+    from fp8kit.errors import Fp8kitError
+
+    strategies = {"channel": "dynamic", "block": "block", "tensor": "tensor"}
+
+    def refuse(what: str) -> Fp8kitError:
+        return Fp8kitError(f"{where}: {what}; fp8kit reads FP8 checkpoints: compressed-tensors with 8-bit float "
+                           f"weights (strategy channel, tensor, or block of 128x128) or quant_method fp8 (e4m3)")
+
+    qc = quantization_config
+    if not isinstance(qc, dict):
+        raise refuse(f"quantization_config is not an object but {type(qc).__name__} {qc!r:.40}")
+    method = qc.get("quant_method")
+    if method == "fp8":
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise refuse(f"quant_method fp8 with fmt {fmt!r}, not e4m3")
+        block = qc.get("weight_block_size")
+        if not block:
+            return "tensor"
+        if not isinstance(block, (list, tuple)) or list(block) != [128, 128]:
+            raise refuse(f"quant_method fp8 with weight_block_size {block!r}, not [128, 128]")
+        return "block"
+    if method != "compressed-tensors":
+        raise refuse(f"quant_method {method!r}, not an FP8 format")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise refuse("compressed-tensors without config_groups")
+    schemes = {}
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if not isinstance(weights, dict):
+            raise refuse(f"config group {name!r} has no weights quantization")
+        kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+        if kind != "float" or bits != 8:
+            known = kind in ("int", "float") and isinstance(bits, int)
+            label = f"{'INT' if kind == 'int' else 'FP'}{bits}" if known else "a format other than FP8"
+            if kind == "int" and bits == 8:
+                label += " (W8A8 or W8A16)"
+            raise refuse(f"compressed-tensors config group {name!r} quantizes weights to {label} (type {kind!r}, "
+                         f"num_bits {bits!r}), not FP8")
+        activations = group.get("input_activations")
+        if isinstance(activations, dict) and (activations.get("type") != "float" or activations.get("num_bits") != 8):
+            raise refuse(f"compressed-tensors input activations of type {activations.get('type')!r} with num_bits "
+                         f"{activations.get('num_bits')!r} in config group {name!r}, not FP8")
+        if not isinstance(strategy, str) or strategy not in strategies:
+            raise refuse(f"compressed-tensors FP8 weights with strategy {strategy!r} in config group {name!r}")
+        if strategy == "block":
+            block = weights.get("block_structure")
+            if not isinstance(block, (list, tuple)) or list(block) != [128, 128]:
+                raise refuse(f"compressed-tensors FP8 blocks of {block!r} in config group {name!r}, not [128, 128]")
+        schemes[name] = strategies[strategy]
+    if len(set(schemes.values())) > 1:
+        mixed = ", ".join(f"{n}: {s}" for n, s in schemes.items())
+        raise refuse(f"config groups with different FP8 schemes ({mixed}); one scheme per checkpoint")
+    return next(iter(schemes.values()))
 
 
 def _tensors(directory: Path) -> dict[str, Path]:

@@ -561,3 +561,48 @@ def test_model_type_that_is_not_a_string_is_one_line(src, tmp_path):
     out = tmp_path / "out"
     code, err = run_cli(src, out, "--scheme", "dynamic")
     assert_clean_failure(code, err, out, f"{src / 'config.json'}: model_type must be a string")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_deeply_nested_json_is_one_line(tmp_path, name):
+    """json.loads raises RecursionError on [[[...]]] a hundred thousand deep, which was a traceback."""
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=0, max_shard_size="300KB")
+    nested = "[" * 100_000 + "]" * 100_000
+    (src / name).write_text(nested if name == "config.json" else '{"weight_map": ' + nested + "}")
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, f"{src / name}: ", "nested too deeply")
+
+
+@pytest.mark.parametrize("metadata", [["format", "pt"], {"format": 1}, {"format": None}, "pt"])
+def test_metadata_that_is_not_a_map_of_strings_is_refused(tmp_path, metadata):
+    """safetensors refuses a `__metadata__` that is not a map of strings to strings; so does fp8-convert."""
+    header = {"__metadata__": metadata,
+              "model.layers.0.mlp.up_proj.weight": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]}}
+    src = raw_checkpoint(tmp_path, header, b"\0" * 8)
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "model.safetensors", "__metadata__")
+
+
+def test_fused_experts_named_otherwise_are_refused_or_kept_and_listed(tmp_path):
+    """Granite 4.0-h fuses its experts into `block_sparse_moe.input_linear.weight` [experts, 2 * inter, hidden]:
+    no "expert" in the name, and it was copied in BF16 and left out of the ignore list. Refused like other fused
+    experts; kept with the --ignore the message gives, and then named in the ignore list. The Mamba conv1d
+    [channels, 1, kernel] beside it is copied as it is."""
+    from safetensors.torch import load_file
+
+    src = build_checkpoint(tmp_path / "src", "granitemoehybrid", torch.bfloat16, seed=0)
+    out = tmp_path / "out"
+    code, err = run_cli(src, out, "--scheme", "dynamic")
+    assert_clean_failure(code, err, out, "'model.layers.0.block_sparse_moe.input_linear.weight'", "fused 3-D",
+                         "[4, 512, 256]", "(and 3 more)")
+    pattern = re.search(r"--ignore '([^']+)'", err).group(1)
+    code, err = run_cli(src, out, "--scheme", "dynamic", "--ignore", pattern)
+    assert code == 0, err
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    fused = [f"model.layers.{i}.block_sparse_moe.{p}_linear" for i in range(2) for p in ("input", "output")]
+    assert set(fused) <= set(ignore)
+    written, source = load_file(out / "model.safetensors"), load_file(src / "model.safetensors")
+    for name in [f"{m}.weight" for m in fused] + ["model.layers.0.mamba.conv1d.weight"]:
+        assert written[name].dtype == torch.bfloat16 and torch.equal(written[name], source[name]), name
+    assert written["model.layers.1.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert "model.layers.0.mamba.conv1d" not in ignore

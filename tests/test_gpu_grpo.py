@@ -48,3 +48,39 @@ def test_vllm_shares_the_trainers_weights(tmp_path, variant):
         allocated = trace[phase]["allocated"]
         assert allocated["peak_bytes_above_start"] > 0 and allocated["sites"], (phase, allocated)
         assert allocated["live_bytes_at_peak"] >= allocated["sites"][0]["bytes"]
+
+
+@pytest.mark.gpu
+def test_block_model_with_source_precision_mlp_trains_lora_there_with_vllm(tmp_path):
+    """Block FP8 keeps an MLP whose width is no multiple of 128 in BF16; its LoRA (as the BF16 baseline has) must
+    reach vLLM's LoRA slots, and its BF16 weights stay views of vLLM's."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from fp8kit import convert
+    from fp8kit.converter.calibration import DEFAULT_CALIBRATION
+    from fp8kit.models import add_tokenizer, build_checkpoint
+    from fp8kit.rl.bf16_lora import LoRALinear
+    from fp8kit.rl.grpo import GRPOConfig, train
+    from fp8kit.rl.loader import lora_modules
+    from fp8kit.rl.model import load_model
+    from fp8kit.rl.vllm_engine import storage_pointers
+
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=0, intermediate_size=320)
+    add_tokenizer(src, DEFAULT_CALIBRATION.read_text(), 400)
+    convert(src, tmp_path / "block", scheme="block")
+    model, tok = load_model(tmp_path / "block", load_in_fp8="block", max_seq_length=64, lora_rank=8,
+                            vllm_kwargs={"kv_cache_memory_bytes": 256 << 20, "enforce_eager": True})
+    engine = model.rollout_engine
+    assert engine.name == "vllm"
+    mlp = {n: m for n, m in lora_modules(model).items() if ".mlp." in n}
+    assert mlp and all(isinstance(m, LoRALinear) for m in mlp.values()), sorted(lora_modules(model))
+    vllm_storage = storage_pointers(engine.vllm_model)
+    assert all(m.weight.untyped_storage().data_ptr() in vllm_storage for m in mlp.values())
+    with torch.no_grad():  # a nonzero adapter, so that a slot vLLM left out would show as mismatch
+        for m in lora_modules(model).values():
+            m.lora_B.normal_(0, 0.02)
+    history = train(model, tok, ["the quick brown fox", "a lazy dog"],
+                    [lambda completions, **_: [len(c) % 3 / 2 for c in completions]],
+                    GRPOConfig(steps=2, prompts_per_step=2, num_generations=4, max_completion_length=16, seed=0))
+    assert len(history) == 2 and all(0 <= h["mismatch_kl"] < 0.05 for h in history), history

@@ -247,7 +247,7 @@ def test_learning_rate_schedules():
     assert learning_rate_at(c, 6) == pytest.approx(0.5)  # halfway: 0.5 * (1 + cos(pi / 2))
     assert learning_rate_at(c, 10) == pytest.approx(0.5 * (1 + math.cos(0.9 * math.pi)))  # the last step still learns
     assert GRPOConfig(loss_type="dapo").epsilon_high == 0.28
-    assert GRPOConfig(loss_type="dr_grpo").scale_rewards is False
+    assert GRPOConfig(loss_type="dr_grpo").scale_rewards == "none"
 
 
 def test_bad_input(tiny_fp8, tmp_path):
@@ -283,12 +283,12 @@ def test_bad_input(tiny_fp8, tmp_path):
           GRPOConfig(steps=1, prompts_per_step=1, num_generations=4, max_completion_length=20))
     assert seen and max(seen) <= 8 - len(tok("the quick")["input_ids"]), seen  # ends at max_seq_length, as vLLM
     (tmp_path / "ckpt").mkdir()
-    with pytest.raises(Fp8kitError, match="not a readable fp8kit GRPO checkpoint"):
+    with pytest.raises(Fp8kitError, match="ckpt: no fp8kit GRPO checkpoint there"):
         train(model, tok, ["the"], [lambda prompts, completions, **_: [0.0] * 2], config, resume_from=tmp_path / "ckpt")
     with pytest.raises(Fp8kitError, match="reward_weights has 2 values for 1"):
         train(model, tok, ["the"], [lambda prompts, completions, **_: [0.0] * 2],
               GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, reward_weights=[1.0, 2.0]))
-    with pytest.raises(Fp8kitError, match="no checkpoint-<step> folder"):
+    with pytest.raises(Fp8kitError, match="latest: no fp8kit GRPO checkpoint there"):
         train(model, tok, ["the"], [lambda prompts, completions, **_: [0.0] * 2], config,
               resume_from=tmp_path / "ckpt" / "latest")
     (tmp_path / "ckpt" / "trainer_state.json").write_text("{}")  # readable, but not ours
@@ -372,7 +372,8 @@ def test_unreadable_generation_config_is_one_line(tiny_fp8, tmp_path):
 
 @pytest.mark.parametrize("args,needle", [(["--loss-type", "ppo"], "loss_type 'ppo'"),
                                          (["--save-steps", "1"], "save_steps needs output_dir"),
-                                         (["--steps", "0"], "steps=0")])
+                                         (["--steps", "0"], "steps=0"),
+                                         (["--resume", "no-such-run/checkpoint-3"], "no fp8kit GRPO checkpoint")])
 def test_toy_script_refuses_bad_arguments_in_one_line_before_building_anything(tmp_path, args, needle):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(TOY), "--workdir", str(tmp_path / "toy"), *args], capture_output=True,

@@ -56,6 +56,27 @@ def test_advantages_unscaled_for_dr_grpo():
     close(group_advantages(REWARDS, 3, scale_rewards=False), [-1, 0, 1, 0, 0, 0, -2, 0, 2])
 
 
+def test_advantages_scaled_by_the_batch_std_keep_the_group_mean():
+    """TRL's scale_rewards="batch": (r - group mean) / (std of all B*G rewards + 1e-4), std Bessel-corrected.
+    The nine rewards sum to 24 (mean 8/3) and their squares to 100: sum of squared deviations 100 - 9 * (8/3)^2 =
+    36, std sqrt(36 / 8) = sqrt(4.5); the group-centred rewards are [-1, 0, 1], [0, 0, 0], [-2, 0, 2]."""
+    std = math.sqrt(4.5)
+    close(group_advantages(REWARDS, 3, scale_rewards="batch"),
+          [-1 / (std + 1e-4), 0, 1 / (std + 1e-4), 0, 0, 0, -2 / (std + 1e-4), 0, 2 / (std + 1e-4)])
+    # a batch of equal rewards: std 0, advantages 0; one completion per group: 0 as well
+    assert group_advantages(torch.full((4,), 7.0), 2, scale_rewards="batch").eq(0).all()
+    assert group_advantages(torch.tensor([1.0, 3.0]), 1, scale_rewards="batch").eq(0).all()
+
+
+def test_advantage_scaling_names_are_trls():
+    torch.testing.assert_close(group_advantages(REWARDS, 3, scale_rewards="group"), group_advantages(REWARDS, 3))
+    torch.testing.assert_close(group_advantages(REWARDS, 3, scale_rewards="none"),
+                               group_advantages(REWARDS, 3, scale_rewards=False))
+    for bad in ("std", "True", None, 1):
+        with pytest.raises(ValueError, match="scale_rewards"):
+            group_advantages(REWARDS, 3, scale_rewards=bad)
+
+
 def test_identical_rewards_and_single_generation_give_zero_advantage():
     assert group_advantages(torch.full((4,), 7.0), 4).eq(0).all()
     assert group_advantages(torch.tensor([1.0, 3.0]), 1).eq(0).all()

@@ -116,6 +116,63 @@ def test_checkpoint_names_of_renamed_attention_modules():
         "model.layers.3.self_attn"
     with pytest.raises(Fp8kitError, match="0 checkpoint tensors end in layers.1.self_attn.k_proj.weight"):
         checkpoint_prefix("model.layers.1.self_attn", keys)
+    # a vision tower's encoder layers end alike; the calibration text never reaches them
+    keys.append("vision_tower.encoder.layers.0.self_attn.k_proj.weight")
+    assert checkpoint_prefix("model.language_model.layers.0.self_attn", keys) == "language_model.model.layers.0.self_attn"
+
+
+def test_multimodal_scales_land_on_the_language_model(tmp_path):
+    """Gemma 3 multimodal: `layers.0.self_attn.k_proj.weight` ends a vision-tower tensor too, which made the
+    conversion fail ("2 checkpoint tensors end in ..."). The scales are the language model's attention's."""
+    src = build_checkpoint(tmp_path / "src", "gemma3_mm", torch.bfloat16, seed=3)
+    add_tokenizer(src, TEXT, vocab_size=400)  # below the image token ids
+    (tmp_path / "calibration.txt").write_text(TEXT)
+    report = convert(src, tmp_path / "out", scheme="dynamic", kv_cache="fp8", calibration=tmp_path / "calibration.txt",
+                     device="cpu")
+    ours = kv_scales(tmp_path / "out")
+    assert sorted(ours) == [f"language_model.model.layers.{i}.self_attn.{k}_scale" for i in range(2) for k in "kv"]
+    assert all(s.dtype == torch.bfloat16 and s.shape == (1,) and float(s) > 0 for s in ours.values())
+    assert not [m for m in report.quantized if "vision" in m]
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert {index["weight_map"][k] for k in ours} == {"model-00002-of-00002.safetensors"}
+    q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert q["kv_cache_scheme"]["type"] == "float" and "vision_tower.encoder.layers.0.self_attn.k_proj" in q["ignore"]
+
+
+def test_full_disk_while_writing_the_scales_is_one_line(tmp_path, qwen3_src, monkeypatch):
+    """The scales' shard is written last, once the weights fit: a full disk there is one line naming that shard,
+    exit 1, nothing at OUT (safetensors' save_file raised its own SafetensorError)."""
+    import errno
+    import os
+
+    from fp8kit.converter import streaming
+
+    src, calibration = qwen3_src
+
+    def full_disk(tensors, path, metadata=None):
+        path.write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(streaming, "save_small", full_disk)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(fp8_convert, [str(src), str(out), "--scheme", "dynamic", "--kv-cache", "fp8",
+                                              "--calibration", str(calibration), "--device", "cpu"])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 1 and len(errors) == 1, (result.stderr, result.exception)
+    assert errors[0] == (f"error: {out / 'model-00002-of-00002.safetensors'}: cannot write (No space left on "
+                         f"device); free disk space or choose another OUT")
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_scales_shard_is_what_safetensors_writes(tmp_path, qwen3_src):
+    """The scales' shard is written by fp8kit's own writer now: the same bytes safetensors' save_file writes."""
+    from safetensors.torch import save_file
+
+    src, calibration = qwen3_src
+    convert(src, tmp_path / "out", scheme="dynamic", kv_cache="fp8", calibration=calibration, device="cpu")
+    shard = tmp_path / "out" / "model-00002-of-00002.safetensors"
+    save_file(kv_scales(tmp_path / "out"), tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    assert shard.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
 
 
 def test_scales_match_llmcompressor_and_serve_in_transformers(tmp_path, qwen3_src):

@@ -172,12 +172,14 @@ def test_no_full_logits_kept_for_backward(tmp_path, monkeypatch, fp8_head):
 def test_rollout_logprobs_match_a_teacher_forced_forward(tmp_path):
     """transformers' generate reports each sampled token's log-probability under logits / T (kept one step at a
     time): a forward over prompt + completion gives the same, up to KV-cache accumulation order, also for rows
-    that stop early at EOS and whatever the checkpoint's own generation_config says."""
+    that stop early at EOS and whatever the checkpoint's own generation_config says. The float32 LoRA model, not
+    FP8: a per-token activation scale computed in another accumulation order can flip an FP8 rounding, which moves
+    a log-probability by up to ~2e-2 (measured over eight LoRA seeds), hiding what this test checks."""
     from transformers import GenerationConfig
 
     from fp8kit.rl.rollout import HFRollout
 
-    model = _model(tmp_path, "qwen3", True)
+    model = _model(tmp_path, "qwen3", False)
     model.generation_config = GenerationConfig(repetition_penalty=3.0, min_p=0.5, suppress_tokens=[7, 8, 9])
 
     class Tok:

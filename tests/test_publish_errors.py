@@ -165,14 +165,16 @@ def test_broken_overlay_is_refused_before_any_work(tmp_path, hub, src):
     assert hub.requests == [] and not (tmp_path / "fp8cache").exists()
 
 
-@pytest.mark.parametrize("args", [["--org", "my org"], ["--org", "me", "--base-model", "org/my--model"]],
-                         ids=["space-in-org", "double-dash"])
-def test_names_the_hub_refuses_are_refused_before_converting(tmp_path, src, args):
+@pytest.mark.parametrize("args,needle", [(["--org", "my org"], "the Hub refuses this repo name"),
+                                         (["--org", "me", "--base-model", "org/my--model"], "expected a Hub repo id"),
+                                         (["--org", "me", "--base-model", "org/..", ], "expected a Hub repo id")],
+                         ids=["space-in-org", "double-dash", "dots"])
+def test_names_the_hub_refuses_are_refused_before_converting(tmp_path, src, args, needle):
     base = [] if "--base-model" in args else ["--base-model", "org/tiny"]
     result = CliRunner().invoke(main, ["publish", str(src), *base, *args, "--scheme", "dynamic", "--dry-run",
                                        "--staging", str(tmp_path / "staging")])
     line = one_line_error(result)
-    assert "the Hub refuses this repo name" in line and "--org" in line
+    assert needle in line and ("--org" in line or "--base-model" in line), line
     assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
 
 
@@ -295,7 +297,7 @@ def test_max_kl_that_is_not_a_positive_finite_number_is_refused_before_any_work(
                                        "--dry-run", "--org", "me", "--staging", str(tmp_path / "staging"),
                                        "--max-kl", value])
     line = one_line_error(result)
-    assert "--max-kl" in line and "positive" in line
+    assert "--max-kl" in line and ("positive" in line if value != "inf" else "checks nothing" in line), line
     assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
 
 
@@ -310,7 +312,8 @@ def test_plan_max_kl_that_is_not_a_positive_finite_number_is_refused_before_any_
     result = CliRunner().invoke(main, ["publish", "--plan", str(plan), "--dry-run", "--org", "me", "--staging",
                                        str(tmp_path / "staging")])
     line = one_line_error(result)
-    assert line.startswith(f"error: {plan}: ") and "'max_kl'" in line and "positive" in line, line
+    assert line.startswith(f"error: {plan}: ") and "'max_kl'" in line, line
+    assert ("positive" in line if value != "inf" else "checks nothing" in line), line
     assert ("top level" if where == "top" else "[[model]] number 2") in line
     assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
 
@@ -374,3 +377,38 @@ def test_failed_dry_run_without_staging_leaves_no_temporary_folder(tmp_path, src
     assert result.exit_code == 1 and json.loads(result.stdout)[0]["status"] == "failed", result.output
     assert json.loads(result.stdout)[0]["staging"] is None
     assert list(tmp.iterdir()) == []
+
+
+def test_a_dry_run_without_org_says_why_it_needs_one(tmp_path, src, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "x" * 30)  # a token does not make a dry run contact the Hub
+    result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--scheme", "dynamic",
+                                       "--dry-run"])
+    line = one_line_error(result)
+    assert "--dry-run contacts no server" in line and "--org" in line and "x" * 30 not in result.output
+
+
+def test_a_repo_registered_for_another_base_model_is_refused_before_converting(tmp_path, src):
+    """org-a/Foo and org-b/Foo fill the default template with the same name: the second publish replaced the first
+    one's weights, and `resolve org-a/Foo` handed out org-b's."""
+    from fp8kit.registry.catalog import Variant, append_to_overlay
+
+    append_to_overlay(Variant("tester/Foo-7B-FP8-Dynamic", "foo", "dynamic", "compressed-tensors", ("dynamic",),
+                              ("org-a/Foo-7B",), "overlay"))
+    from fp8kit.hub.publish import _check_registered_schemes
+
+    from fp8kit.errors import Fp8kitError
+
+    with pytest.raises(Fp8kitError, match="registered in .* as an FP8 variant of org-a/Foo-7B, not org-b/Foo-7B"):
+        _check_registered_schemes(["dynamic"], "{org}/{name}-FP8-{Scheme}", "tester", "org-b/Foo-7B")
+    _check_registered_schemes(["dynamic"], "{org}/{name}-FP8-{Scheme}", "tester", "ORG-A/foo-7b")  # the same one
+
+
+def test_plan_entries_that_land_in_one_repo_are_refused_before_any_work(tmp_path, src):
+    plan = tmp_path / "plan.toml"
+    plan.write_text(GOOD.format(src=src).replace("org/tiny", "org-a/Foo")
+                    + f'[[model]]\nsrc = "{src}"\nbase_model = "org-b/Foo"\nschemes = ["block", "dynamic"]\n')
+    result = CliRunner().invoke(main, ["publish", "--plan", str(plan), "--dry-run", "--org", "me", "--staging",
+                                       str(tmp_path / "staging")])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "[[model]] number 1" in result.stderr and "number 2" in result.stderr and "me/Foo-FP8-Dynamic" in result.stderr
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()

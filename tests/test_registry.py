@@ -83,12 +83,22 @@ def test_names_that_are_neither_folders_nor_repo_ids_are_refused(name):
     assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_a_pinned_variant_is_its_own_answer_and_keeps_its_pin(tmp_path, llama_dir):
+@pytest.fixture(scope="module")
+def block_fp8_upload(tmp_path_factory, llama_dir):
+    """What the catalog's Qwen uploads hold: block FP8 in the `fp8` format."""
+    from fp8kit import convert
+
+    out = tmp_path_factory.mktemp("uploads") / "block-fp8"
+    convert(llama_dir, out, scheme="block", format="fp8")
+    return out
+
+
+def test_a_pinned_variant_is_its_own_answer_and_keeps_its_pin(tmp_path, block_fp8_upload):
     answer = resolve(f"unsloth/Qwen3-8B-FP8@{COMMIT}", "block")
     assert answer.repo_id == f"unsloth/Qwen3-8B-FP8@{COMMIT}" and answer.source == "catalog"
     assert resolve("UNSLOTH/qwen3-8b-fp8@main", "block").repo_id == "unsloth/Qwen3-8B-FP8@main"
     # ensure() takes the pinned snapshot from the HF cache (offline) instead of trying to convert an FP8 upload
-    cached_repo(tmp_path / "hub", "unsloth/Qwen3-8B-FP8", llama_dir)
+    cached_repo(tmp_path / "hub", "unsloth/Qwen3-8B-FP8", block_fp8_upload)
     proc = ensure_proc(tmp_path, f"unsloth/Qwen3-8B-FP8@{COMMIT}", "block")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -140,10 +150,10 @@ base = ["meta-llama/Llama-3.2-1B"]
 
 @pytest.mark.parametrize("text,line,needle", [
     ('[[variant]]\nrepo_id = "a/b"\nfamily = x\n', 3, "not valid TOML"),
-    ('\n[[variant]]\nrepo_id = "a/b"\nfamily = "f"\nscheme = "dynamic"\nformat = "fp8"\nserves = ["dynamic"]\n'
+    ('\n[[variant]]\nrepo_id = "a/b"\nfamily = "f"\nscheme = "dynamic"\nformat = "compressed-tensors"\nserves = ["dynamic"]\n'
      'base = ["c/d"]\n\n[[variant]]\nrepo_id = "a/c"\nfamily = "f"\nscheme = "int4"\nformat = "fp8"\n'
      'serves = ["dynamic"]\nbase = ["c/d"]\n', 10, "scheme 'int4'"),
-    ('[[variant]]\nrepo_id = "a/b"\nfamily = "f"\nscheme = "dynamic"\nformat = "fp8"\nserves = ["dynamic"]\n', 1,
+    ('[[variant]]\nrepo_id = "a/b"\nfamily = "f"\nscheme = "dynamic"\nformat = "compressed-tensors"\nserves = ["dynamic"]\n', 1,
      "missing 'base'"),
 ])
 def test_bad_overlay_names_file_and_line(tmp_path, text, line, needle):
@@ -184,8 +194,8 @@ def ensure_proc(tmp_path, name, scheme):
                             stderr=subprocess.PIPE, text=True)
 
 
-def test_ensure_variant_from_offline_cache(tmp_path, llama_dir):
-    cached_repo(tmp_path / "hub", "unsloth/Qwen3-0.6B-FP8", llama_dir)
+def test_ensure_variant_from_offline_cache(tmp_path, block_fp8_upload):
+    cached_repo(tmp_path / "hub", "unsloth/Qwen3-0.6B-FP8", block_fp8_upload)
     proc = ensure_proc(tmp_path, "Qwen/Qwen3-0.6B", "block")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -193,6 +203,23 @@ def test_ensure_variant_from_offline_cache(tmp_path, llama_dir):
     proc = ensure_proc(tmp_path, "Qwen/Qwen3-1.7B", "block")  # a variant that is not in the cache
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "unsloth/Qwen3-1.7B-FP8" in err and "HF_HUB_OFFLINE" in err
+
+
+def test_an_upload_that_is_not_what_the_registry_lists_is_refused(tmp_path, llama_dir):
+    """A catalog or overlay entry that names the wrong scheme (or an unquantized repo) would hand out weights as
+    something they are not; ensure() reads the upload's quantization_config first."""
+    from fp8kit import convert
+
+    dynamic = tmp_path / "dynamic"
+    convert(llama_dir, dynamic, scheme="dynamic")
+    cached_repo(tmp_path / "hub", "unsloth/Qwen3-0.6B-FP8", dynamic)  # listed as block (fp8)
+    cached_repo(tmp_path / "hub", "unsloth/Qwen3-1.7B-FP8", llama_dir)  # not quantized at all
+    for name, found in (("Qwen/Qwen3-0.6B", "declares dynamic (compressed-tensors)"),
+                        ("Qwen/Qwen3-1.7B", "declares no quantization_config")):
+        proc = ensure_proc(tmp_path, name, "block")
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0 and "Fp8kitError: unsloth/Qwen3-" in err, err
+        assert "the shipped catalog lists it as block (fp8)" in err and found in err, err
 
 
 def test_ensure_converts_once_even_when_raced(tmp_path, llama_dir):
@@ -256,6 +283,7 @@ def test_local_directory_is_never_answered_from_the_catalog(tmp_path, llama_dir,
 def test_cache_rm_all_removes_only_fp8kit_entries(tmp_path):
     root = tmp_path / "fp8cache"
     (root / "someone-else" / "data").mkdir(parents=True)
+    (root / "someone-else" / "data" / "state.lock").write_text("x")  # another tool's lock: not an entry lock
     entry = root / "org--m" / COMMIT / "dynamic-compressed-tensors-fp8kit0.1.0"
     entry.mkdir(parents=True)
     (entry / "fp8kit-entry.json").write_text("not json")
@@ -272,7 +300,7 @@ def test_catalog_errors_count_commented_headers_and_reject_non_tables(tmp_path):
                        'serves = ["dynamic"]\nbase = ["c/d"]\n')
     with pytest.raises(Fp8kitError, match=f"{overlay}:1: scheme 'int4'"):
         load()
-    good = '[[variant]]\nrepo_id = "a/ok"\nfamily = "f"\nscheme = "dynamic"\nformat = "fp8"\nserves = ["dynamic"]\n' \
+    good = '[[variant]]\nrepo_id = "a/ok"\nfamily = "f"\nscheme = "dynamic"\nformat = "compressed-tensors"\nserves = ["dynamic"]\n' \
            'base = ["c/d"]\n'
     for header in ("[[\tvariant]]", '[["variant"]]', "[[ 'variant' ]]"):  # valid TOML headers: the error is on line 8
         overlay.write_text(good + header + '\nrepo_id = "a/b"\nfamily = "f"\nscheme = "int4"\nformat = "fp8"\n'
@@ -348,3 +376,86 @@ def test_read_only_cache_serves_complete_entries_and_refuses_new_ones_in_one_lin
     message = str(e.value)
     assert "\n" not in message and f"cache {tmp_path / 'fp8cache'}: cannot write there" in message
     assert "FP8KIT_CACHE" in message and not any(p.name.startswith("block") for p in made.parent.iterdir())
+
+
+def test_cache_rm_leaves_a_conversion_that_is_running(tmp_path):
+    """`cache rm NAME` and `--all` deleted the folder a live conversion was writing (it then failed with 'cannot
+    write'); now a held entry lock keeps its model folder, and the command says so in one line."""
+    from filelock import FileLock
+
+    root = tmp_path / "fp8cache"
+    busy = root / "org--busy" / COMMIT
+    busy.mkdir(parents=True)
+    (busy / ".dynamic-compressed-tensors-fp8kit0.1.0.partial-abc").mkdir()
+    idle = root / "org--idle" / COMMIT / "dynamic-compressed-tensors-fp8kit0.1.0"
+    idle.mkdir(parents=True)
+    (idle.parent / "dynamic-compressed-tensors-fp8kit0.1.0.lock").write_text("")
+    with FileLock(busy / "dynamic-compressed-tensors-fp8kit0.1.0.lock"):
+        for args in (["org/busy"], ["--all"]):
+            result = CliRunner().invoke(main, ["cache", "rm", *args])
+            assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+            assert "org--busy: a conversion is running there" in result.stderr
+            assert busy.is_dir()
+        assert not (root / "org--idle").exists()  # --all removed what was not busy
+    result = CliRunner().invoke(main, ["cache", "rm", "org/busy"])
+    assert result.exit_code == 0 and not (root / "org--busy").exists()
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("repo_id", "me/M-FP8\\n", "repo_id"), ("repo_id", "me/..", "repo_id"), ("base", "[\"me/a--b\"]", "base"),
+    ("serves", "[\"block\"]", "does not fit scheme 'dynamic'"), ("format", "\"fp8\"", "does not hold scheme"),
+])
+def test_overlay_entries_the_hub_or_the_schemes_cannot_honour_are_refused(tmp_path, field, value, needle):
+    fields = {"repo_id": '"me/M-FP8"', "family": '"m"', "scheme": '"dynamic"', "format": '"compressed-tensors"',
+              "serves": '["dynamic"]', "base": '["me/M"]'}
+    fields[field] = value if value.startswith(("[", '"')) else f'"{value}"'
+    overlay = tmp_path / "overlay.toml"
+    overlay.write_text("[[variant]]\n" + "".join(f"{k} = {v}\n" for k, v in fields.items()))
+    with pytest.raises(Fp8kitError, match=f"{overlay}:1: .*{needle}"):
+        load()
+
+
+def test_inline_overlay_arrays_name_the_entry_not_a_wrong_line(tmp_path):
+    overlay = tmp_path / "overlay.toml"
+    good = '{repo_id = "a/ok", family = "f", scheme = "dynamic", format = "compressed-tensors", serves = ["dynamic"], ' \
+           'base = ["c/d"]}'
+    bad = good.replace("a/ok", "a/b").replace('scheme = "dynamic"', 'scheme = "x"')
+    overlay.write_text(f"variant = [{good},\n{bad}]\n")
+    with pytest.raises(Fp8kitError, match=f"{overlay}: variant 2: scheme 'x'"):
+        load()
+
+
+def test_a_pasted_name_with_spaces_is_used_stripped():
+    answer = resolve("  Qwen/Qwen3-8B-Base \n", "dynamic")
+    assert answer.name == "Qwen/Qwen3-8B-Base" and answer.convert_command.startswith("fp8-convert Qwen/Qwen3-8B-Base ")
+    assert "Qwen--Qwen3-8B-Base/" in answer.cache_dir
+
+
+def test_a_marker_edited_into_another_shape_is_rebuilt(tmp_path, llama_dir):
+    out = ensure_proc(tmp_path, str(llama_dir), "dynamic").communicate(timeout=120)[0].strip()
+    marker = Path(out) / "fp8kit-entry.json"
+    info = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**info, "files": list(info["files"])}))
+    listing = CliRunner().invoke(main, ["cache", "list", "--json"])
+    assert listing.exit_code == 0 and [r["ok"] for r in json.loads(listing.stdout)] == [False], listing.output
+    proc = ensure_proc(tmp_path, str(llama_dir), "dynamic")
+    assert proc.communicate(timeout=120)[0].strip() == out and proc.returncode == 0
+    assert isinstance(json.loads(marker.read_text())["files"], dict)  # converted again
+
+
+def test_an_unfinished_conversion_of_a_local_checkpoint_is_listed_by_its_path(tmp_path, llama_dir):
+    """A local conversion killed outright had no completion marker beside it to name it: `cache list` showed no
+    NAME for `cache rm`."""
+    from fp8kit.registry.cache import cached_conversion, entry_name, model_dir
+
+    local = tmp_path / "mine"
+    shutil.copytree(llama_dir, local)
+    entry = Path(cached_conversion(str(local), "dynamic"))
+    shutil.rmtree(entry)  # as if the first conversion had been killed: only its temporary folder is left
+    stale = entry.parent / f".{entry_name('dynamic')}.partial-killed"
+    stale.mkdir()
+    listing = CliRunner().invoke(main, ["cache", "list", "--json"])
+    [row] = json.loads(listing.stdout)
+    assert (row["name"], row["status"], row["path"]) == (str(local.resolve()), "unfinished", str(stale))
+    result = CliRunner().invoke(main, ["cache", "rm", str(local)])
+    assert result.exit_code == 0 and not model_dir(str(local)).exists(), result.output

@@ -110,3 +110,95 @@ def test_a_bare_string_of_prompts_and_no_reward_functions_are_refused(tiny_fp8):
 
     train(model, tok, ["the quick"], reward, config)
     assert len(seen) == 2
+
+
+@pytest.mark.parametrize("value,stored", [(None, "group"), (True, "group"), ("group", "group"), ("batch", "batch"),
+                                          (False, "none"), ("none", "none")])
+def test_scale_rewards_takes_trls_values(value, stored):
+    """Any truthy value meant the group std: "none" and "batch" divided by it too."""
+    assert GRPOConfig(scale_rewards=value).scale_rewards == stored
+    assert GRPOConfig(loss_type="dr_grpo", scale_rewards=value).scale_rewards == (
+        "none" if value is None else stored)  # Dr. GRPO's default only; an explicit choice stands
+
+
+@pytest.mark.parametrize("value", ["std", "False", "Group", 1, 0, [True]])
+def test_other_scale_rewards_are_refused(value):
+    with pytest.raises(Fp8kitError) as e:
+        GRPOConfig(scale_rewards=value)
+    assert str(e.value).startswith(f"scale_rewards={value!r}:") and "\n" not in str(e.value), e.value
+    assert "'batch'" in str(e.value)
+
+
+@pytest.mark.parametrize("field", ["importance_sampling", "gradient_checkpointing", "disable_dropout"])
+@pytest.mark.parametrize("value", ["false", "False", 0, 1, None])
+def test_boolean_fields_must_be_bools(field, value):
+    """importance_sampling="false" is truthy: it switched importance sampling on."""
+    with pytest.raises(Fp8kitError) as e:
+        GRPOConfig(**{field: value})
+    assert str(e.value) == f"{field}={value!r}: expected True or False"
+    assert getattr(GRPOConfig(**{field: False}), field) is False
+
+
+def test_output_dir_that_is_a_file_is_refused_up_front(tmp_path):
+    """Refused only when the first checkpoint was written, save_steps steps in."""
+    (tmp_path / "file").write_text("x")
+    for output_dir in (tmp_path / "file", tmp_path / "file" / "run"):
+        with pytest.raises(Fp8kitError) as e:
+            GRPOConfig(output_dir=output_dir, save_steps=1)
+        assert str(e.value).startswith(f"output_dir={str(output_dir)!r}: {tmp_path / 'file'} exists and is not a "
+                                       f"folder") and "\n" not in str(e.value), e.value
+    assert GRPOConfig(output_dir=tmp_path / "new" / "run").output_dir == str(tmp_path / "new" / "run")
+
+
+def test_config_as_none_or_a_dict(tiny_fp8, tmp_path, monkeypatch):
+    """train(..., config=None) or a dict failed with a raw AttributeError."""
+    from fp8kit.rl import grpo
+
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    history = train(model, tok, ["the quick"], [_zero],
+                    {"steps": 1, "prompts_per_step": 1, "num_generations": 2, "max_completion_length": 2})
+    assert len(history) == 1
+    seen = []
+    monkeypatch.setattr(grpo, "_steps", lambda model, tokenizer, rows, funcs, config, *a: seen.append(config) or [])
+    train(model, tok, ["the quick"], [_zero])  # TRL's GRPOTrainer(args=None): the defaults
+    assert seen == [GRPOConfig()]
+    for config, needle in (({"stepz": 1}, "config: 'stepz' is not a GRPOConfig field"),
+                           ({"steps": "1"}, "steps='1': expected an integer >= 1"),
+                           ("steps=1", "config='steps=1': expected a GRPOConfig")):
+        with pytest.raises(Fp8kitError) as e:
+            train(model, tok, ["the quick"], [_zero], config)
+        assert str(e.value).startswith(needle) and "\n" not in str(e.value), e.value
+    config = GRPOConfig(steps=1, output_dir=tmp_path / "run", save_steps=1)
+    (tmp_path / "run").write_text("x")  # output_dir became a file after the config was made
+    with pytest.raises(Fp8kitError, match="exists and is not a folder"):
+        train(model, tok, ["the quick"], [_zero], config)
+
+
+@pytest.mark.parametrize("resume_from", [3, 3.0, ["ckpt"]])
+def test_resume_from_of_the_wrong_type_is_one_line(tiny_fp8, resume_from):
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    with pytest.raises(Fp8kitError) as e:
+        train(model, tok, ["the quick"], [_zero], GRPOConfig(steps=1, num_generations=2), resume_from=resume_from)
+    assert str(e.value).startswith(f"resume_from={resume_from!r}: expected a checkpoint") and "\n" not in str(e.value)
+
+
+def test_reward_values_must_be_numbers(tiny_fp8):
+    """A function returning strings such as "1.0" was read as numbers, silently."""
+    import numpy as np
+
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
+    for returned, needle in ((["1.0", "0.0"], "holding str '1.0'"), ([b"1", b"0"], "holding bytes"),
+                             ("10", "returned str '10'"), ([torch.ones(2), torch.ones(2)], "tensor of shape (2,)"),
+                             ([1 + 2j, 0], "holding complex")):
+        with pytest.raises(Fp8kitError) as e:
+            train(model, tok, ["the quick"], [lambda completions, r=returned, **_: r], config)
+        assert needle in str(e.value) and "\n" not in str(e.value), e.value
+        assert str(e.value).startswith("reward function <lambda> returned"), e.value
+    seen = []
+    for returned in ([True, 0], [np.float32(0.5), np.int64(1)], [np.bool_(True), None], torch.tensor([0.5, 1.0]),
+                     np.array([0.5, 1.0]), [torch.tensor(1.0), torch.tensor(1, dtype=torch.int64)], (0.5, 1)):
+        history = train(model, tok, ["the quick"], [lambda completions, r=returned, **_: r], config,
+                        on_step=seen.append)
+        assert len(history) == 1
+    assert [m["reward_mean"] for m in seen] == [0.5, 0.75, 0.5, 0.75, 0.75, 1.0, 0.75]

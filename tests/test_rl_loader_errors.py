@@ -290,8 +290,8 @@ def test_save_interrupted_between_its_two_files_is_refused_on_load(fp8_dir, tmp_
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    (dict(target_modules=["qproj"]), "target_modules 'qproj' matches no quantized Linear"),
-    (dict(target_modules=["lm_head"]), "target_modules 'lm_head' matches no quantized Linear"),  # not quantized
+    (dict(target_modules=["qproj"]), "target_modules 'qproj' matches no Linear"),
+    (dict(target_modules=["embed_tokens"]), "target_modules 'embed_tokens' matches no Linear"),  # an Embedding
     (dict(target_modules=["self_attn.q_proj"]), "'self_attn.q_proj' is not a leaf name"),
     (dict(target_modules=[]), "target_modules=[]"),
     (dict(lora_rank=-1), "lora_rank=-1"),
@@ -302,7 +302,7 @@ def test_save_interrupted_between_its_two_files_is_refused_on_load(fp8_dir, tmp_
     (dict(lora_dropout=1.5), "lora_dropout=1.5"),
     (dict(device="gpu"), "device='gpu': not a device"),
     (dict(device="meta"), "device='meta': the FP8 layers run on 'cpu' or 'cuda'"),
-], ids=["typo", "unquantized", "dotted", "empty", "rank-negative", "rank-float", "alpha-string", "alpha-negative",
+], ids=["typo", "embedding", "dotted", "empty", "rank-negative", "rank-float", "alpha-string", "alpha-negative",
         "alpha-nan", "dropout", "device-name", "device-kind"])
 def test_lora_arguments_are_checked_in_one_line(fp8_dir, kwargs, needle):
     """Each once gave a torch traceback, or (target_modules) a model with no LoRA at all."""

@@ -67,3 +67,18 @@ def test_chunked_conversion_equals_whole_tensor(tmp_path, monkeypatch, name):
     assert torch.equal(got["model.layers.0.mlp.up_proj.weight"].view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(got["model.layers.0.mlp.up_proj.weight_scale"], scale)
     assert torch.equal(got["model.norm.weight"], torch.ones(256, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_negative_zero_becomes_positive_zero(name, dtype):
+    """As compressed-tensors quantizes (w / scale + zero point): -0.0 gives what +0.0 gives, FP8 code 0x00; a
+    negative value that underflows keeps its sign (0x80) there too."""
+    w = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)).to(dtype)
+    w[0, :5] = 0.0
+    w[3, 7] = -1e-30
+    positive, _ = quantize_weight(w, SCHEMES[name], dtype)
+    w[0, :5] = -0.0
+    q, _ = quantize_weight(w, SCHEMES[name], dtype)
+    assert torch.equal(q.view(torch.uint8), positive.view(torch.uint8))
+    assert (q.view(torch.uint8)[0, :5] == 0).all() and q.view(torch.uint8)[3, 7] == 0x80

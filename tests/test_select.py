@@ -66,3 +66,23 @@ def test_deepseek_mla_pair_and_mtp_head():
     sel = select(t, SCHEMES["block"], [])
     assert sel.quantize == ["model.layers.3.self_attn.kv_b_proj"]  # vLLM fuses q_a and kv_a: one status
     assert {"model.layers.61.eh_proj", "model.layers.61.shared_head.head"} <= set(sel.keep)
+
+
+def test_fused_weights_of_more_than_two_dimensions():
+    """Any >2-D weight inside a decoder layer is taken for fused experts, whatever its name, unless it is a
+    convolution; parameters without a .weight suffix are, only when named for experts (gpt-oss, Llama 4)."""
+    t = infos({"model.layers.0.block_sparse_moe.input_linear.weight": (4, 512, 256),  # GraniteMoe
+               "model.layers.0.mlp.experts.gate_up_proj": (4, 256, 1024),  # gpt-oss
+               "model.layers.0.mamba.conv1d.weight": (544, 1, 4),
+               "model.layers.0.conv.conv.weight": (256, 1, 3),  # LFM2's short convolution
+               "model.layers.0.att.time_mix_k": (1, 1, 256),  # not a weight, not experts
+               "model.layers.0.self_attn.q_proj.weight": (256, 256)})
+    with pytest.raises(Fp8kitError, match=r"'model.layers.0.block_sparse_moe.input_linear.weight' is a fused 3-D "
+                                          r"expert tensor \[4, 512, 256\] \(and 1 more\)"):
+        select(t, SCHEMES["dynamic"], [])
+    sel = select(t, SCHEMES["dynamic"], [r"input_linear", r"experts\.gate_up_proj"])
+    assert sel.quantize == ["model.layers.0.self_attn.q_proj"]
+    assert sel.keep == ["model.layers.0.block_sparse_moe.input_linear", "model.layers.0.mlp.experts.gate_up_proj"]
+    # in a vision tower, as any tensor there, kept without a word
+    assert select(infos({"model.vision_tower.layers.0.mlp.w.weight": (4, 8, 8),
+                         "model.layers.0.mlp.up_proj.weight": (8, 8)}), SCHEMES["dynamic"], []).keep == []

@@ -129,3 +129,61 @@ def test_nothing_quantized_by_llmcompressor_is_refused_and_nothing_written(tmp_p
     assert result.exit_code == 1 and len(errors) == 1, (result.stderr, result.exception)
     assert errors[0].startswith(f"error: {src.resolve()}: llm-compressor quantized none of the 14 Linear weights")
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_multimodal_vision_tower_stays_in_source_precision(tmp_path):
+    """Gemma 3's vision tower is `vision_tower.encoder...` on disk and `model.vision_tower.encoder...` once loaded,
+    the name llm-compressor matches ignore entries against: given the checkpoint's names it quantized the tower. The
+    config's ignore list and the report name what was written: every Linear weight left in source precision."""
+    src = build_checkpoint(tmp_path / "src", "gemma3_mm", torch.bfloat16, seed=1)
+    add_tokenizer(src, SAMPLE + " ".join(map(str, range(500))), vocab_size=400)  # below the image token ids
+    out = tmp_path / "out"
+    report = convert(src, out, scheme="tensor-static", device="cpu")
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    with safe_open(out / "model.safetensors", "pt") as f:
+        dtypes = {k[: -len(".weight")]: f.get_slice(k).get_dtype() for k in f.keys() if k.endswith(".weight")}
+        scaled = {k[: -len(".input_scale")] for k in f.keys() if k.endswith(".input_scale")}
+    fp8 = sorted(m for m, d in dtypes.items() if d == "F8_E4M3")
+    assert fp8 == sorted(report.quantized) == sorted(scaled)
+    assert len(fp8) == 14 and all(m.startswith("language_model.model.layers.") for m in fp8)
+    vision_linears = [m for m in dtypes if m.startswith("vision_tower.") and (".mlp." in m or "_proj" in m)]
+    assert len(vision_linears) == 9
+    assert all(dtypes[m] == "BF16" for m in dtypes if m.startswith(("vision_tower.", "multi_modal_projector.")))
+    # ignore list == the Linear weights written in BF16, by their names in the checkpoint
+    assert q["ignore"] == report.ignored == ["lm_head"] + sorted(vision_linears)
+    assert all(dtypes[m] == "BF16" for m in q["ignore"] if m in dtypes) and not set(q["ignore"]) & set(fp8)
+    # what llm-compressor is handed: the loaded model's names
+    from transformers import AutoModelForCausalLM
+
+    from fp8kit.converter.calibrated import _leave_alone
+
+    with quiet():
+        model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    leave = _leave_alone(model, set(report.quantized))
+    assert "model.vision_tower.encoder.layers.0.mlp.fc1" in leave and "lm_head" in leave
+    assert not [n for n in leave if "language_model" in n]
+
+
+def test_full_disk_in_save_pretrained_is_one_line(tmp_path, monkeypatch):
+    """transformers' save_pretrained writes through safetensors, which reports a full disk as a SafetensorError (not
+    an OSError): one line, exit 1, nothing at OUT."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1)
+    add_tokenizer(src, SAMPLE + " ".join(map(str, range(500))))
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:  # part of the file, then no room: what safetensors' writer leaves
+            f.write(b"\0" * 1000)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(fp8_convert, [str(src), str(out), "--scheme", "tensor-static", "--device", "cpu"])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 1 and len(errors) == 1, (result.stderr, result.exception)
+    assert errors[0] == (f"error: {out}: cannot write (No space left on device); free disk space or choose "
+                         f"another OUT")
+    assert not [line for line in result.stderr.splitlines() if "Traceback" in line or "SafetensorError" in line]
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))

@@ -16,7 +16,7 @@ from fp8kit.converter.calibration import calibration_samples, kv_cache_scheme, m
 from fp8kit.converter.formats import ignore_list
 from fp8kit.converter.output import atomic_directory, check_out
 from fp8kit.converter.schemes import SCHEMES
-from fp8kit.converter.select import select
+from fp8kit.converter.select import natural_key, select
 from fp8kit.errors import Fp8kitError
 
 RUN_FIX = "use --scheme tensor or dynamic, which read the weights without running the model"
@@ -70,7 +70,10 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     # the KV-cache scales as llm-compressor measures them, with the static min-max observer that our streaming
     # schemes' --kv-cache fp8 matches (its default observer averages over batches)
     kv_scheme = {**kv_cache_scheme(), "observer": "static_minmax"} if kv_cache else None
-    recipe = QuantizationModifier(targets="Linear", scheme="FP8", ignore=ignore_list(sel.keep),
+    # llm-compressor matches its ignore list against the loaded model's module names, which transformers renames
+    # from the checkpoint's (Gemma 3's `vision_tower.encoder...` is `model.vision_tower.encoder...` in memory): every
+    # Linear it must leave alone is named as it is loaded
+    recipe = QuantizationModifier(targets="Linear", scheme="FP8", ignore=_leave_alone(model, set(sel.quantize)),
                                   kv_cache_scheme=kv_scheme)
     try:
         with torch.no_grad():
@@ -84,6 +87,8 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
                           f"(CUDA_VISIBLE_DEVICES=)") from e
     except Exception as e:  # noqa: BLE001 - e.g. token ids past the embedding table
         raise model_run_error(src_path, "--scheme tensor-static", e, RUN_FIX) from e
+    warnings = list(sel.warnings)
+    # a full disk inside save_pretrained (a SafetensorError, not an OSError) is one line: see atomic_directory
     with atomic_directory(out, overwrite) as partial:
         model.save_pretrained(partial, save_compressed=True, max_shard_size=shard_bytes)
         source.copy_extra_files(src_path, partial, keep_existing=True)  # save_pretrained wrote some already
@@ -93,13 +98,70 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
         if not quantized:
             raise Fp8kitError(f"{src_path}: llm-compressor quantized none of the {len(sel.quantize)} Linear weights "
                               f"selected (they are not torch Linear modules in this architecture); nothing was written")
+        written = set(quantized)
+        unwanted = sorted(written - set(sel.quantize), key=natural_key)
+        if unwanted:
+            raise Fp8kitError(f"{src_path}: llm-compressor quantized {len(unwanted)} weights that stay in source "
+                              f"precision ({', '.join(unwanted[:3])}{' ...' if len(unwanted) > 3 else ''}): its "
+                              f"module names did not match the checkpoint's, so nothing was written; {RUN_FIX}")
+        missed = [m for m in sel.quantize if m not in written]
+        if missed:
+            warnings.append(f"{len(missed)} weights stay in source precision because llm-compressor quantizes torch "
+                            f"Linear modules only: {', '.join(missed[:4])}{' ...' if len(missed) > 4 else ''}")
+        ignored = _write_ignore(partial, sel.keep + missed, written)
     files = source.folder_files(out)
     return ConvertReport(
         src=str(src), out=str(out), scheme="tensor-static", format="compressed-tensors", device=str(model.device),
-        quantized=quantized, ignored=ignore_list(sel.keep), bytes_in=sum(t.nbytes for t in tensors.values()),
+        quantized=quantized, ignored=ignored, bytes_in=sum(t.nbytes for t in tensors.values()),
         bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
         peak_rss_bytes=peak_rss_bytes(), peak_gpu_bytes=None, files=files,
-        warnings=sel.warnings + [f"calibrated on {len(samples)} sequences from {calibration.name}"])
+        warnings=warnings + [f"calibrated on {len(samples)} sequences from {calibration.name}"])
+
+
+def _is_linear(module) -> bool:
+    """What llm-compressor's target "Linear" matches: a class of that name anywhere in the module's bases."""
+    return any(cls.__name__ == "Linear" for cls in type(module).__mro__)
+
+
+def _leave_alone(model, selected: set[str]) -> list[str]:
+    """The loaded model's names of every Linear whose weight is not among `selected` (checkpoint module names).
+    Each is mapped to the name save_pretrained writes it under, which is the checkpoint's (transformers reverts the
+    renaming it applied on loading); a Linear whose checkpoint name cannot be told is left alone as well."""
+    import torch
+
+    linears = {name: module for name, module in model.named_modules()
+               if _is_linear(module) and isinstance(getattr(module, "weight", None), torch.Tensor)}
+    on_disk = _checkpoint_names(model, {f"{name}.weight": m.weight for name, m in linears.items()})
+    return [name for name in linears if on_disk.get(f"{name}.weight", "")[: -len(".weight")] not in selected]
+
+
+def _checkpoint_names(model, weights: dict) -> dict[str, str]:
+    """{name in the loaded model: name save_pretrained writes}, from transformers' own reverse renaming, run on
+    shape-only copies; names as they are where transformers has none (before 5.0) or it fails."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        shadows = {name: w.detach().to("meta") for name, w in weights.items()}
+        owner = {id(t): name for name, t in shadows.items()}
+        reverted = revert_weight_conversion(model, shadows)
+        return {owner[id(t)]: name for name, t in reverted.items() if id(t) in owner}
+    except Exception:  # noqa: BLE001 - an older transformers or a conversion it cannot run on shapes alone
+        return {name: name for name in weights}
+
+
+def _write_ignore(folder: Path, kept: list[str], quantized: set[str]) -> list[str]:
+    """The config's ignore list made to say what was written: every Linear weight left in source precision, by
+    its name in the checkpoint (llm-compressor lists only the modules it matched, and misses torch Linear
+    subclasses such as nn.MultiheadAttention's out_proj)."""
+    import json
+
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    qc = config["quantization_config"]
+    theirs = [name for name in qc.get("ignore") or [] if name not in quantized]
+    qc["ignore"] = ignore_list(sorted(set(kept) | set(theirs)))
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return qc["ignore"]
 
 
 def _fp8_modules(folder: Path) -> list[str]:

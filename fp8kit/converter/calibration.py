@@ -17,6 +17,7 @@ import torch
 
 from fp8kit.converter.formats import quantization_args
 from fp8kit.converter.schemes import scale_from_amax
+from fp8kit.converter.select import NOT_LANGUAGE
 from fp8kit.errors import Fp8kitError
 
 DEFAULT_CALIBRATION = Path(__file__).parents[1] / "data" / "sample.txt"
@@ -59,9 +60,12 @@ def calibration_samples(src_path: Path, calibration: str | Path | None, seq_len:
 def checkpoint_prefix(module_name: str, checkpoint_keys) -> str:
     """The checkpoint's name for the attention module transformers calls `module_name`: the prefix of the one
     `k_proj.weight` whose name ends like it from `layers.` on (multimodal classes rename their language model,
-    e.g. `model.language_model.layers.0.self_attn` is `language_model.model.layers.0.self_attn` on disk)."""
+    e.g. `model.language_model.layers.0.self_attn` is `language_model.model.layers.0.self_attn` on disk). The
+    vision and audio towers' layers end alike (`vision_tower.encoder.layers.0.self_attn`) and are left out: the
+    calibration text runs through the language model only."""
     tail = module_name[module_name.find("layers."):] if "layers." in module_name else module_name
-    matches = [k for k in checkpoint_keys if k == f"{tail}.k_proj.weight" or k.endswith(f".{tail}.k_proj.weight")]
+    matches = [k for k in checkpoint_keys if (k == f"{tail}.k_proj.weight" or k.endswith(f".{tail}.k_proj.weight"))
+               and not NOT_LANGUAGE.search(k)]
     if len(matches) != 1:
         raise Fp8kitError(f"attention module {module_name}: {len(matches)} checkpoint tensors end in "
                           f"{tail}.k_proj.weight, expected one; --kv-cache fp8 does not support this architecture")

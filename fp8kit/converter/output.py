@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -100,7 +101,12 @@ def _atomic_directory(out: Path, overwrite: bool):
             partial.rename(out)  # fails if OUT appeared meanwhile: never replaced without --overwrite
         ok = True
     except OSError as e:
-        raise Fp8kitError(f"{out}: cannot write ({e.strerror}); free disk space or choose another OUT") from e
+        raise Fp8kitError(f"{out}: cannot write ({e.strerror or e}); free disk space or choose another OUT") from e
+    except Exception as e:  # noqa: BLE001 - only a failed write is reworded; the rest goes up as it is
+        reason = safetensors_os_error(e)
+        if reason is None:
+            raise
+        raise Fp8kitError(f"{out}: cannot write ({reason}); free disk space or choose another OUT") from e
     finally:
         if partial.exists():
             shutil.rmtree(partial, ignore_errors=True)
@@ -108,9 +114,19 @@ def _atomic_directory(out: Path, overwrite: bool):
             _remove_empty(made)
 
 
+def safetensors_os_error(e: BaseException) -> str | None:
+    """The operating system's reason inside a SafetensorError (safetensors' writer, which transformers'
+    save_pretrained uses, reports a full disk as "Error while serializing: I/O error: No space left on device
+    (os error 28)", not as an OSError); None for any other error."""
+    if type(e).__name__ != "SafetensorError":
+        return None
+    m = re.search(r"\(os error (\d+)\)", str(e))
+    return os.strerror(int(m.group(1))) if m else None
+
+
 def _modes_from_umask(folder: Path) -> None:
-    """Files and folders get the modes open() and mkdir give under the umask: safetensors' save_file (our KV-cache
-    shard, transformers' save_pretrained) creates 0600 files that another account could not read."""
+    """Files and folders get the modes open() and mkdir give under the umask: safetensors' save_file (transformers'
+    save_pretrained, for tensor-static) creates 0600 files that another account could not read."""
     folder_mode = _mkdir_mode()
     for p in folder.rglob("*"):
         if not p.is_symlink():

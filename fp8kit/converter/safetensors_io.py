@@ -77,7 +77,13 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         raise Fp8kitError(f"{path}: corrupt safetensors header ({type(e).__name__}); re-download the file") from e
     if not isinstance(header, dict):
         raise Fp8kitError(f"{path}: corrupt safetensors header; re-download the file")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        # safetensors reads it as a map of strings to strings, and refuses the file otherwise
+        raise Fp8kitError(f"{path}: corrupt safetensors header (__metadata__ must map names to strings); "
+                          f"re-download the file")
     base = 8 + n
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():

@@ -2,7 +2,8 @@
 
 The arithmetic copies compressed-tensors (`calculate_qparams` and `_quantize` in
 compressed_tensors/quantization, 0.19): scale = amax / 448 in the scale dtype, zero scales replaced
-by that dtype's eps, q = clamp(w / scale, -448, 448) cast to float8_e4m3fn (round to nearest even).
+by that dtype's eps, q = clamp(w / scale + 0, -448, 448) cast to float8_e4m3fn (round to nearest even; the
+zero point's + 0 makes -0.0 +0.0).
 Doing the division in the same dtype as llm-compressor is what makes our bytes equal to its bytes.
 """
 
@@ -82,6 +83,8 @@ def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: Scheme) ->
         scaled = blocks.reshape(rows, cols)
     else:
         scaled = w / scale
+    # compressed-tensors adds the zero point (0 for FP8), which turns -0.0 into +0.0 and changes nothing else
+    scaled += torch.zeros((), dtype=scaled.dtype, device=scaled.device)
     return scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 

@@ -57,6 +57,23 @@ def is_candidate(module: str) -> bool:
     return not any(p in KEPT_PARTS or "embed" in p or "norm" in p for p in parts)
 
 
+def _module(name: str) -> str:
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def is_fused_weight(name: str, module: str, info: TensorInfo) -> bool:
+    """A weight of more than two dimensions inside a decoder block that is not a convolution: experts fused into
+    one tensor, [experts, out, in] or [experts, in, out] (Llama 4 and gpt-oss `experts.gate_up_proj`, without a
+    .weight suffix; GraniteMoe's `block_sparse_moe.input_linear.weight`, JetMoe's). It can be neither quantized
+    per 2-D weight nor copied silently in source precision. Convolutions (Mamba's depthwise conv1d
+    [channels, 1, kernel]) are copied as they are, as every tensor that is not 2-D."""
+    if len(info.shape) <= 2 or not is_candidate(module):
+        return False
+    if not (name.endswith(".weight") or "expert" in module):  # RWKV-style [1, 1, C] mixing vectors, biases
+        return False
+    return not any("conv" in part for part in module.split("."))
+
+
 def _sibling_group(module: str) -> tuple[str, int] | None:
     parent, _, leaf = module.rpartition(".")
     for i, group in enumerate(SIBLINGS):
@@ -92,17 +109,24 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
     sel = Selection()
     wanted: dict[str, bool] = {}
     reason: dict[str, str] = {}
+    fused = [name for name in sorted(tensors, key=natural_key) if is_fused_weight(name, _module(name), tensors[name])
+             and not any(p.search(_module(name)) for p in patterns)]
+    if fused:
+        info = tensors[fused[0]]
+        # one pattern for every fused tensor of every layer
+        every_layer = "|".join(dict.fromkeys(re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(_module(name)))
+                                             for name in fused))
+        more = f" (and {len(fused) - 1} more)" if len(fused) > 1 else ""
+        raise Fp8kitError(f"{info.path}: tensor {fused[0]!r} is a fused {len(info.shape)}-D expert tensor "
+                          f"{list(info.shape)}{more}; fp8-convert quantizes per-expert 2-D weights only: save the "
+                          f"checkpoint with per-expert tensors, or pass --ignore '{every_layer}' to keep them as "
+                          f"they are")
     for name in sorted(tensors, key=natural_key):
         info = tensors[name]
-        module = name[: -len(".weight")] if name.endswith(".weight") else name
-        if (len(info.shape) == 3 and "expert" in module and is_candidate(module)
-                and not any(p.search(module) for p in patterns)):
-            # Llama 4 and gpt-oss store experts fused as [experts, ...] (some without a .weight suffix); other 3-D
-            # tensors (Mamba's depthwise conv1d) are kept as they are, as every tensor that is not 2-D
-            every_layer = re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(module))
-            raise Fp8kitError(f"{info.path}: tensor {name!r} is a fused 3-D expert tensor {list(info.shape)}; "
-                              f"fp8-convert quantizes per-expert 2-D weights only: save the checkpoint with "
-                              f"per-expert tensors, or pass --ignore '{every_layer}' to keep them as they are")
+        module = _module(name)
+        if is_fused_weight(name, module, info):  # --ignore'd: kept, and named in the ignore list
+            sel.keep.append(module)
+            continue
         if not name.endswith(".weight") or len(info.shape) != 2:
             continue
         if not is_candidate(module) or info.numel == 0:

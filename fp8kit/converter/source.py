@@ -12,7 +12,7 @@ from fp8kit.errors import Fp8kitError
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 WEIGHT_SUFFIXES = (".safetensors", ".msgpack", ".h5", ".gguf") + PICKLE_SUFFIXES
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 # Everything a model repo holds that is not a weight file; weights other than safetensors never download.
 HUB_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py", "*.md", "LICENSE*",
                 "*.yaml", "*.vocab", "*merges*"]
@@ -20,7 +20,7 @@ HUB_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "*.tik
 
 def is_repo_id(text: str) -> bool:
     """`org/name[@revision]`, and not a path spelled like one."""
-    return bool(REPO_ID.match(text)) and not text.startswith((".", "/", "~"))
+    return bool(REPO_ID.fullmatch(text)) and not text.startswith((".", "/", "~"))
 
 
 def resolve(src: str | Path) -> Path:
@@ -73,6 +73,8 @@ def load_config(src: Path) -> dict:
         config = json.loads(path.read_text())
     except FileNotFoundError as e:
         raise Fp8kitError(f"{path}: missing; SRC must be a Hugging Face checkpoint directory") from e
+    except RecursionError as e:  # [[[...]]] nested deeper than Python's parser goes
+        raise Fp8kitError(f"{path}: not a usable config (JSON nested too deeply); re-download it") from e
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise Fp8kitError(f"{path}: unreadable or not JSON ({e})") from e
     if not isinstance(config, dict):
@@ -88,6 +90,8 @@ def load_config(src: Path) -> dict:
 def read_weight_map(index: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
+    except RecursionError as e:  # [[[...]]] nested deeper than Python's parser goes
+        raise Fp8kitError(f"{index}: not a usable index (JSON nested too deeply); re-download it") from e
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise Fp8kitError(f"{index}: unreadable or has no weight_map; re-download it") from e
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

@@ -25,7 +25,7 @@ from fp8kit.converter.calibration import KV_CACHE_DTYPES, kv_cache_scales, kv_ca
 from fp8kit.converter.formats import FORMATS, quantization_config, scale_name
 from fp8kit.converter.output import atomic_directory, check_out
 from fp8kit.converter.safetensors_io import (DTYPES, ITEMSIZE, OutTensor, TensorInfo, layout,
-                                             read_bytes, to_tensor, write_all)
+                                             read_bytes, save_small, to_tensor, write_all)
 from fp8kit.converter.schemes import SCHEMES, Scheme, amax, quantize_with_scale, scale_from_amax
 from fp8kit.converter.select import check_not_quantized, natural_key, select
 from fp8kit.errors import Fp8kitError
@@ -387,9 +387,11 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
                     raise Fp8kitError(f"{out / name}: cannot write ({e.strerror}); free disk space or choose "
                                       f"another OUT") from e
             if kv_scales:  # measured after the weight shards were laid out, so not inside one
-                from safetensors.torch import save_file
-
-                save_file(kv_scales, partial / names[-1], metadata={"format": "pt"})
+                try:
+                    save_small(kv_scales, partial / names[-1])
+                except OSError as e:
+                    raise Fp8kitError(f"{out / names[-1]}: cannot write ({e.strerror or e}); free disk space or "
+                                      f"choose another OUT") from e
             if len(names) > 1:
                 weight_map = {t.name: name for name, shard in zip(names, shards) for job in shard for t in job.outputs}
                 weight_map.update(dict.fromkeys(kv_scales, names[-1]))

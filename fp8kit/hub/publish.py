@@ -54,6 +54,9 @@ def check_max_kl(value, where: str = "--max-kl") -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise Fp8kitError(f"{where} must be a number, e.g. 0.01 (not {value!r})")
+    if value == math.inf:
+        raise Fp8kitError(f"{where} {value!r}: an infinite bound checks nothing; leave it out to accept any KL, or "
+                          f"give the highest mean KL to accept (e.g. 0.01)")
     if not math.isfinite(value) or value <= 0:
         raise Fp8kitError(f"{where} {value!r}: must be a positive finite number, the highest mean KL to accept "
                           f"(e.g. 0.01); it would reject every variant")
@@ -68,7 +71,7 @@ def check_repo_template(template, where: str = "--repo-template") -> None:
     before any work is done. `where` names the option or plan entry the template came from."""
     from string import Formatter
 
-    from fp8kit.registry.catalog import REPO_ID
+    from fp8kit.registry.catalog import is_repo_name
 
     if not isinstance(template, str):
         raise Fp8kitError(f"{where} must be a string; {TEMPLATE_HINT}")
@@ -82,7 +85,7 @@ def check_repo_template(template, where: str = "--repo-template") -> None:
         raise Fp8kitError(f"{where} {template!r}: unknown field {{{e.args[0]}}}; {TEMPLATE_HINT}") from e
     except (ValueError, TypeError, IndexError, AttributeError) as e:  # "Single '}'", a bad format spec, ...
         raise Fp8kitError(f"{where} {template!r}: {e}; {TEMPLATE_HINT}") from e
-    if not REPO_ID.match(sample):
+    if not is_repo_name(sample):
         raise Fp8kitError(f"{where} {template!r} gives {sample!r}, not a repo id org/name; {TEMPLATE_HINT}")
 
 
@@ -221,7 +224,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     from fp8kit.hub.validate import validate
     from fp8kit.converter.output import sigterm_as_interrupt
     from fp8kit.registry.cache import cached_conversion
-    from fp8kit.registry.catalog import REPO_ID
+    from fp8kit.registry.catalog import is_repo_name
 
     local = Path(src).expanduser().is_dir()
     if local and not base_model:
@@ -229,7 +232,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     if not local and not source.is_repo_id(src):
         raise Fp8kitError(f"{src}: no such folder, and not a Hub repo id ORG/NAME[@REVISION]")
     base_model = base_model or src.partition("@")[0]
-    if not REPO_ID.match(base_model):
+    if not is_repo_name(base_model):
         raise Fp8kitError(f"--base-model {base_model!r}: expected a Hub repo id ORG/NAME")
     for scheme in schemes:
         if scheme not in SCHEME_FORMAT:
@@ -250,8 +253,8 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         except Exception as e:  # noqa: BLE001
             raise _http_error(e, "whoami") from e
         org = org or user
-    if not org:
-        raise Fp8kitError("--dry-run without a token needs --org ORG to name the repos")
+    if not org:  # a dry run contacts no server, so the token's user is not looked up
+        raise Fp8kitError("--dry-run contacts no server, so it needs --org ORG to name the repos")
     for scheme in schemes:  # names the Hub refuses, refused before converting (and in a dry run)
         _check_hub_name(repo_id_for(repo_template, org, base_model, scheme))
     seen: dict[str, str] = {}
@@ -272,7 +275,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
             return command
         return shlex.join(["fp8kit", "publish", str(src), "--base-model", base_model, "--scheme", scheme,
                            "--org", org, "--repo-template", repo_template]
-                          + (["--max-kl", f"{max_kl:g}"] if max_kl is not None else []))
+                          + (["--max-kl", repr(float(max_kl))] if max_kl is not None else []))
     # A staging folder of our own (no --staging) is removed when done, uploaded or not; a dry run keeps it only
     # when its report points there (something was staged and the run was not interrupted).
     staging_root = Path(staging) if staging else Path(tempfile.mkdtemp(prefix="fp8kit-publish-"))
@@ -393,6 +396,11 @@ def _check_registered_schemes(schemes, repo_template, org, base_model) -> None:
         if old is not None and (old.scheme, old.format) != (scheme, SCHEME_FORMAT[scheme]):
             raise Fp8kitError(f"{repo_id}: registered in {overlay_path()} as {old.scheme} ({old.format}), not {scheme}; "
                               f"publish {scheme} under another --repo-template, or remove that entry first")
+        # two models of one name (an upstream model and someone's finetune) fill the same default repo name
+        if old is not None and base_model.lower() not in (b.lower() for b in old.base):
+            raise Fp8kitError(f"{repo_id}: registered in {overlay_path()} as an FP8 variant of {', '.join(old.base)}, "
+                              f"not {base_model}; publish under another --repo-template or --org, or remove that "
+                              f"entry first")
 
 
 def _register(repo_id: str, scheme: str, fmt: str, base_model: str) -> None:

@@ -99,6 +99,8 @@ def verify(entry: Path) -> bool:
     """The marker exists and every file it lists is there with its size and a readable safetensors header."""
     try:
         files = json.loads((entry / MARKER).read_text())["files"]
+        if not isinstance(files, dict):  # edited by hand: rebuilt like a missing file
+            return False
         for name, size in files.items():
             path = entry / name
             if path.stat().st_size != size:
@@ -115,8 +117,36 @@ def ensure(name: str, scheme: str = "auto") -> Path:
     from the HF cache offline), else our conversion, made once and cached."""
     answer = resolve(name, scheme)
     if answer.repo_id is not None:
-        return source.resolve(answer.repo_id)
-    return cached_conversion(name, answer.scheme)
+        path = source.resolve(answer.repo_id)
+        check_upload(path, answer)
+        return path
+    return cached_conversion(answer.name, answer.scheme)
+
+
+def check_upload(path: Path, answer) -> None:
+    """The upload holds what its registry entry says: a block upload listed as dynamic, or one without any
+    quantization_config, would be handed out as something it is not."""
+    from fp8kit.quality import scheme_of
+
+    where = "the shipped catalog" if answer.source == "catalog" else "the registry overlay (FP8KIT_REGISTRY)"
+    listed = f"{answer.variant_scheme} ({answer.format})"
+    try:
+        qc = json.loads((path / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError) as e:
+        raise Fp8kitError(f"{answer.repo_id}: its config.json cannot be read ({e}); the upload is broken") from e
+    if not isinstance(qc, dict):
+        found = "no quantization_config"
+    elif answer.format == "torchao" or qc.get("quant_method") == "torchao":
+        found = "torchao (torchao)" if qc.get("quant_method") == "torchao" else f"{qc.get('quant_method')!r}"
+    else:
+        fmt = qc.get("quant_method")
+        try:
+            found = f"{scheme_of(qc)} ({fmt})"
+        except (Fp8kitError, KeyError, TypeError, AttributeError):
+            found = f"a quantization_config fp8kit does not read (quant_method {fmt!r})"
+    if found != listed:
+        raise Fp8kitError(f"{answer.repo_id}: {where} lists it as {listed}, but its config.json declares {found}; "
+                          f"fix or remove that entry, or convert the base model yourself (fp8kit resolve prints how)")
 
 
 def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -> Path:
@@ -137,6 +167,7 @@ def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -
         raise Fp8kitError(f"cache {cache_root()}: cannot write there ({e.strerror or e}); {fix}; nothing was "
                           f"converted") from e
     try:
+        _record_local_name(name, entry.parent.parent)
         if verify(entry):  # another process finished it while this one waited
             return entry
         if _adopt_legacy(name, entry):  # made before pinned names moved into the repo's folder
@@ -149,6 +180,20 @@ def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -
     finally:
         lock.release()
     return entry
+
+
+SOURCE_NAME = "fp8kit-source.json"
+
+
+def _record_local_name(name: str, model: Path) -> None:
+    """A local checkpoint's absolute path, kept in its model folder before the first conversion: `cache list` names
+    a conversion killed outright by it (no completion marker beside it records it)."""
+    local = Path(name).expanduser()
+    if not local.is_dir() or (model / SOURCE_NAME).exists():
+        return
+    tmp = model / f".{SOURCE_NAME}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"name": str(local.resolve())}) + "\n")
+    tmp.replace(model / SOURCE_NAME)
 
 
 def _write_marker(entry: Path, name: str, src: Path, scheme: str, fmt: str, seconds: float) -> None:
@@ -221,10 +266,14 @@ def record_conversion(name: str, out: str | Path, scheme: str, fmt: str, seconds
     return True
 
 
+_UNFINISHED = re.compile(r"\.(?P<entry>.+)\.(?:partial|old)-[^/]*")
+_ENTRY = re.compile(r"(?P<scheme>.+?)-(?P<format>compressed-tensors|fp8)-fp8kit.*")
+
+
 def _unfinished_of(entry: Path) -> list[Path]:
     """The converter's temporary folders of `entry` (fp8kit.converter.output.atomic_directory's names)."""
-    return sorted(p for pattern in (f".{entry.name}.partial-*", f".{entry.name}.old-*")
-                  for p in entry.parent.glob(pattern) if p.is_dir() and not p.is_symlink())
+    return [p for p in sorted(entry.parent.glob(".*")) if (m := _UNFINISHED.fullmatch(p.name))
+            and m["entry"] == entry.name and p.is_dir() and not p.is_symlink()]
 
 
 def remove_unfinished(entry: Path) -> None:
@@ -245,16 +294,12 @@ def _size(files) -> int:
     return total
 
 
-_UNFINISHED = re.compile(r"\.(?P<entry>.+)\.(?:partial|old)-[^/]*")
-_ENTRY = re.compile(r"(?P<scheme>.+?)-(?P<format>compressed-tensors|fp8)-fp8kit.*")
-
-
 def _unfinished_name(model: Path, commit: Path) -> str | None:
     """The NAME `cache rm` takes for an unfinished folder in `model/commit`: `org/name@commit` for a Hub repo (the
     legacy `org--name@rev` folder: `org/name@rev`); a local checkpoint's path as a finished entry beside it
     records it, else None."""
     if model.name.startswith("local--"):
-        for marker in sorted(model.glob(f"*/*/{MARKER}")):
+        for marker in [model / SOURCE_NAME, *sorted(model.glob(f"*/*/{MARKER}"))]:
             try:
                 info = json.loads(marker.read_text())
             except (OSError, ValueError):
@@ -324,7 +369,7 @@ def remove(name: str | None = None) -> list[Path]:
     checkpoint that has since moved or been deleted can still be removed by the name `cache list` shows."""
     root = _usable_root("nothing was removed")
     ours = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink()
-            and (any(p.glob(f"*/*/{MARKER}")) or any(p.glob("*/*.lock")))] if root.exists() else []
+            and (any(p.glob(f"*/*/{MARKER}")) or any(p.glob(f"*/{ENTRY_LOCKS}")))] if root.exists() else []
     if name:
         local = Path(name).expanduser()
         # an existing folder means that checkpoint (recorded by its absolute path); otherwise the name as recorded
@@ -339,12 +384,38 @@ def remove(name: str | None = None) -> list[Path]:
         targets = [p for p in ours if p == model_dir(name) or p in recorded]
     else:
         targets = ours
-    for target in targets:
-        shutil.rmtree(target)
+    busy = [target for target in targets if not _remove_unlocked(target)]
+    removed = [target for target in targets if target not in busy]
     if name and model_dir(name).is_symlink():  # a model folder linked from elsewhere: the link goes, not its target
         model_dir(name).unlink()
-        targets.append(model_dir(name))
-    return targets
+        removed.append(model_dir(name))
+    if busy:
+        done = f"; removed {len(removed)} other folder(s)" if removed else ""
+        raise Fp8kitError(f"{busy[0]}: a conversion is running there (its entry lock is held); run the same `cache rm` "
+                          f"again once it has finished{done}")
+    return removed
+
+
+ENTRY_LOCKS = "*-fp8kit*.lock"  # `{entry_name}.lock`, as cached_conversion() and entry_lock() name them
+
+
+def _remove_unlocked(target: Path) -> bool:
+    """Delete a model folder while holding every entry lock in it; False (nothing deleted) when a conversion holds
+    one, as the pinned form's removal of unfinished folders does."""
+    held = []
+    try:
+        for path in sorted(target.glob(f"*/{ENTRY_LOCKS}")):
+            lock = FileLock(path)
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                return False
+            held.append(lock)
+        shutil.rmtree(target)
+        return True
+    finally:
+        for lock in held:
+            lock.release()
 
 
 def _remove_unfinished_of_revision(name: str, commits: set[Path]) -> list[Path]:

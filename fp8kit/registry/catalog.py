@@ -23,7 +23,24 @@ SHIPPED = Path(__file__).with_name("catalog.toml")
 SCHEMES = ("dynamic", "block", "tensor", "torchao")
 FORMATS = ("compressed-tensors", "fp8", "torchao")
 FIELDS = {"repo_id": str, "family": str, "scheme": str, "format": str, "serves": list, "base": list}
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# which formats hold which schemes (fp8's per-channel layout is not one vLLM reads), and what a variant may serve
+SCHEME_FORMATS = {"dynamic": ("compressed-tensors",), "block": ("compressed-tensors", "fp8"),
+                  "tensor": ("compressed-tensors", "fp8"), "torchao": ("torchao",)}
+
+
+def is_repo_name(text) -> bool:
+    """`org/name` as the Hub accepts it: huggingface_hub's own validator also refuses '..', '--' and over-long
+    names, which a pattern alone lets through."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(text, str) or not REPO_ID.fullmatch(text):
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -56,8 +73,7 @@ def _entry_lines(text: str) -> list[int]:
     return [i + 1 for i, line in enumerate(text.splitlines()) if VARIANT_HEADER.fullmatch(line.strip())]
 
 
-def _validate(raw: dict, path: Path, line: int, source: str) -> Variant:
-    where = f"{path}:{line}"
+def _validate(raw: dict, where: str, source: str) -> Variant:
     if not isinstance(raw, dict):
         raise Fp8kitError(f"{where}: each variant must be a [[variant]] table")
     for key, kind in FIELDS.items():
@@ -68,17 +84,26 @@ def _validate(raw: dict, path: Path, line: int, source: str) -> Variant:
     unknown = set(raw) - set(FIELDS)
     if unknown:
         raise Fp8kitError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
-    if not REPO_ID.match(raw["repo_id"]):
-        raise Fp8kitError(f"{where}: repo_id {raw['repo_id']!r} is not of the form org/name")
+    if not is_repo_name(raw["repo_id"]):
+        raise Fp8kitError(f"{where}: repo_id {raw['repo_id']!r} is not a Hub repo id of the form org/name")
     if raw["scheme"] not in SCHEMES:
         raise Fp8kitError(f"{where}: scheme {raw['scheme']!r} is not one of {', '.join(SCHEMES)}")
     if raw["format"] not in FORMATS:
         raise Fp8kitError(f"{where}: format {raw['format']!r} is not one of {', '.join(FORMATS)}")
+    if raw["format"] not in SCHEME_FORMATS[raw["scheme"]]:
+        raise Fp8kitError(f"{where}: format {raw['format']!r} does not hold scheme {raw['scheme']!r} (it is "
+                          f"written as {' or '.join(SCHEME_FORMATS[raw['scheme']])})")
     bad = [s for s in raw["serves"] if s not in SCHEMES]
     if bad or not raw["serves"]:
         raise Fp8kitError(f"{where}: serves must list schemes from {', '.join(SCHEMES)}")
-    if not raw["base"] or not all(isinstance(b, str) and REPO_ID.match(b) for b in raw["base"]):
-        raise Fp8kitError(f"{where}: base must list repo ids of the form org/name")
+    # a variant answers its own scheme; a block or tensor upload may also answer "dynamic" (Qwen's block uploads
+    # do), but no FP8 upload answers torchao or a finer scheme than its own
+    allowed = {"torchao"} if raw["scheme"] == "torchao" else {raw["scheme"], "dynamic"}
+    if raw["scheme"] not in raw["serves"] or not set(raw["serves"]) <= allowed:
+        raise Fp8kitError(f"{where}: serves {raw['serves']!r} does not fit scheme {raw['scheme']!r}; list "
+                          f"{raw['scheme']!r} and at most {' and '.join(sorted(allowed - {raw['scheme']})) or 'nothing else'}")
+    if not raw["base"] or not all(is_repo_name(b) for b in raw["base"]):
+        raise Fp8kitError(f"{where}: base must list Hub repo ids of the form org/name")
     return Variant(raw["repo_id"], raw["family"], raw["scheme"], raw["format"], tuple(raw["serves"]),
                    tuple(raw["base"]), source)
 
@@ -103,7 +128,9 @@ def read_file(path: Path, source: str) -> list[Variant]:
     lines = _entry_lines(text)
     variants = []
     for i, raw in enumerate(entries):
-        variants.append(_validate(raw, path, lines[i] if i < len(lines) else 1, source))
+        # [[variant]] headers give lines; an inline array (variant = [{...}, {...}]) has none to count
+        where = f"{path}:{lines[i]}" if len(lines) == len(entries) else f"{path}: variant {i + 1}"
+        variants.append(_validate(raw, where, source))
     return variants
 
 
@@ -121,7 +148,7 @@ def append_to_overlay(variant: Variant, path: Path | None = None) -> Path:
     """Publishing registers its uploads here; appending keeps the user's comments and layout."""
     path = path or overlay_path()
     read_file(path, "overlay") if path.exists() else None  # refuse to append to a broken file
-    _validate({k: v for k, v in variant.to_dict().items() if k != "source"}, path, 0, "overlay")
+    _validate({k: v for k, v in variant.to_dict().items() if k != "source"}, f"{path}: new variant", "overlay")
     fields = {k: v for k, v in variant.to_dict().items() if k != "source"}
     block = "\n[[variant]]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in fields.items())
     try:

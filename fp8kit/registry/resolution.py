@@ -64,12 +64,14 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
 
     scheme = resolve_scheme(scheme)
     variants = catalog.load() if variants is None else variants
-    base, _, revision = name.strip().partition("@")
-    key = base.lower()
     if Path(name).expanduser().is_dir():  # a local checkpoint is converted, whatever its path looks like
         variants = []
-    elif not is_repo_id(name.strip()):
-        raise Fp8kitError(f"{name}: no such folder, and not a Hub repo id of the form org/name[@revision]")
+    else:  # a pasted name's stray spaces go everywhere it is used: matching, the command, the cache folder
+        name = name.strip()
+        if not is_repo_id(name):
+            raise Fp8kitError(f"{name}: no such folder, and not a Hub repo id of the form org/name[@revision]")
+    base, _, revision = name.partition("@")
+    key = base.lower()
     for v in variants:
         if v.repo_id.lower() == key:  # already a variant, pinned or not: it is its own answer
             answer = _answer(v.repo_id, v.scheme if v.scheme in REQUESTS else scheme, v)

@@ -29,6 +29,7 @@ from fp8kit.rl.loader import adapters_disabled, load_adapter, lora_modules, writ
 from fp8kit.rl.rollout import Completion, HFRollout
 
 SCHEDULES = ("constant", "linear", "cosine")
+SCALE_REWARDS = ("group", "batch", "none")
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 
@@ -45,7 +46,9 @@ class GRPOConfig:
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: epsilon, except dapo's clip-higher 0.28 (DAPO paper)
     beta: float = 0.0  # KL penalty against the base model (adapters disabled)
-    scale_rewards: bool | None = None  # None: divide advantages by the group std, except for dr_grpo
+    # as TRL: True or "group" divides advantages by the group's std, "batch" by the whole batch's (the mean stays the
+    # group's), False or "none" not at all; None: "group", except "none" for dr_grpo. Stored as the string.
+    scale_rewards: bool | str | None = None
     importance_sampling: bool = True  # truncated IS with the rollout engine's log-probabilities
     importance_sampling_cap: float = 2.0
     learning_rate: float = 5e-5
@@ -65,9 +68,18 @@ class GRPOConfig:
     reward_weights: list[float] | None = field(default=None)
 
     def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
+        # a string such as "false" is truthy: it would silently mean True
+        for name in ("importance_sampling", "gradient_checkpointing", "disable_dropout"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise Fp8kitError(f"{name}={value!r}: expected True or False")
+        scale = self.scale_rewards
+        if not (scale is None or isinstance(scale, bool) or (isinstance(scale, str) and scale in SCALE_REWARDS)):
+            raise Fp8kitError(f"scale_rewards={scale!r}: expected 'group' (or True), 'batch', 'none' (or False), or "
+                              f"None for 'group' ('none' with dr_grpo)")
+        if not isinstance(self.loss_type, str) or self.loss_type not in LOSS_TYPES:
             raise Fp8kitError(f"loss_type {self.loss_type!r}: expected one of {', '.join(LOSS_TYPES)}")
-        if self.lr_scheduler not in SCHEDULES:
+        if not isinstance(self.lr_scheduler, str) or self.lr_scheduler not in SCHEDULES:
             raise Fp8kitError(f"lr_scheduler {self.lr_scheduler!r}: expected one of {', '.join(SCHEDULES)}")
         if isinstance(self.num_generations, bool) or not isinstance(self.num_generations, int) \
                 or self.num_generations < 2:
@@ -107,13 +119,27 @@ class GRPOConfig:
             if not isinstance(self.output_dir, (str, os.PathLike)):
                 raise Fp8kitError(f"output_dir={self.output_dir!r}: expected a folder path (str or pathlib.Path)")
             self.output_dir = os.fspath(self.output_dir)
+            check_output_dir(self.output_dir)
         if self.save_steps and not self.output_dir:
             raise Fp8kitError("save_steps needs output_dir")
         if self.epsilon_high is None:
             self.epsilon_high = 0.28 if self.loss_type == "dapo" else self.epsilon
         if self.scale_rewards is None:
-            self.scale_rewards = self.loss_type != "dr_grpo"  # Dr. GRPO drops the std normalisation
+            self.scale_rewards = "none" if self.loss_type == "dr_grpo" else "group"  # Dr. GRPO drops the std division
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         self.adam_betas = tuple(self.adam_betas)
+
+
+def check_output_dir(output_dir: str | os.PathLike) -> None:
+    """output_dir must be a folder or creatable as one: an existing file there, or a file in place of one of its
+    parents, would otherwise fail only at the first checkpoint, after save_steps steps of work."""
+    path = Path(output_dir)
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise Fp8kitError(f"output_dir={os.fspath(output_dir)!r}: {folder} exists and is not a folder; "
+                                  f"choose another output_dir")
+            return
 
 
 def learning_rate_at(config: GRPOConfig, step: int) -> float:
@@ -158,18 +184,49 @@ def completion_logprobs(model: nn.Module, batch: dict, rows: slice, temperature:
                                         batch["position_ids"][rows], batch["completion_ids"][rows], temperature)
 
 
+def _config(config) -> GRPOConfig:
+    if config is None:
+        return GRPOConfig()
+    if isinstance(config, GRPOConfig):
+        return config
+    if isinstance(config, dict):
+        unknown = sorted(str(k) for k in config if k not in GRPOConfig.__dataclass_fields__)
+        if unknown:
+            raise Fp8kitError(f"config: {unknown[0]!r} is not a GRPOConfig field")
+        return GRPOConfig(**config)
+    raise Fp8kitError(f"config={config!r:.60}: expected a GRPOConfig, a dict of its fields, or None for the defaults")
+
+
+def _reward_value(v) -> float:
+    """One reward as a float: None (no reward) is NaN; Python, numpy and 0-dim torch numbers (bools included) are
+    accepted. A string such as "1.0" is refused: float() would read it, and a reward function returning text
+    is a bug."""
+    if v is None:
+        return float("nan")
+    if isinstance(v, torch.Tensor):
+        if v.dim() == 0 and not v.is_complex():
+            return float(v)
+        raise TypeError(f"a tensor of shape {tuple(v.shape)}")
+    if isinstance(v, (bool, numbers.Real)) or type(v).__module__ == "numpy" and type(v).__name__ in ("bool", "bool_"):
+        return float(v)
+    raise TypeError(f"{type(v).__name__} {v!r:.30}")
+
+
 def _rewards(reward_funcs, weights, prompts, completions_text, completion_ids, extra) -> tuple[torch.Tensor, dict]:
     total = torch.zeros(len(completions_text))
     per_func = {}
     for i, func in enumerate(reward_funcs):
         name = getattr(func, "__name__", i)
         returned = func(prompts=prompts, completions=completions_text, completion_ids=completion_ids, **extra)
-        try:  # a forgotten return (None), one float, strings or nested lists: one line, not a torch traceback
-            values = torch.tensor([float("nan") if v is None else float(v) for v in returned], dtype=torch.float32)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise Fp8kitError(f"reward function {name} returned {type(returned).__name__} ({str(e).splitlines()[0]}); "
-                              f"expected a list of {total.numel()} numbers (None for no reward), one per "
-                              f"completion") from e
+        if returned is None or isinstance(returned, (str, bytes, dict)) or not hasattr(returned, "__iter__") \
+                or isinstance(returned, torch.Tensor) and returned.dim() != 1:
+            raise Fp8kitError(f"reward function {name} returned {type(returned).__name__} {returned!r:.40}; expected a "
+                              f"list of {total.numel()} numbers (None for no reward), one per completion")
+        try:  # strings or nested lists: one line, not a torch traceback
+            values = torch.tensor([_reward_value(v) for v in returned], dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise Fp8kitError(f"reward function {name} returned {type(returned).__name__} holding {e}; expected a "
+                              f"list of {total.numel()} numbers (None for no reward), one per completion") from e
         if values.shape != total.shape:
             raise Fp8kitError(f"reward function {name} returned {values.numel()} values for "
                               f"{total.numel()} completions")
@@ -239,14 +296,38 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callable], config: GRPOConfig,
-          rollout=None, resume_from: str | Path | None = None, on_step: Callable[[dict], None] | None = None) -> list[dict]:
+def resume_checkpoint(resume_from: str | Path) -> Path:
+    """The checkpoint folder a resume_from names: itself, the newest checkpoint-<step> in it, or, for
+    `<output_dir>/latest`, the newest in output_dir. Callers that prepare a model first (the toy script's
+    pre-training) call it early, so a wrong path fails before minutes of work."""
+    if not isinstance(resume_from, (str, os.PathLike)):
+        raise Fp8kitError(f"resume_from={resume_from!r:.60}: expected a checkpoint-<step> folder, an output_dir or "
+                          f"<output_dir>/latest (str or pathlib.Path)")
+    resume_from = Path(resume_from).expanduser()
+    if (resume_from / STATE_FILE).exists():
+        return resume_from
+    folder = resume_from.parent if resume_from.name == "latest" else resume_from
+    found = latest_checkpoint(folder) if folder.is_dir() else None
+    if found is None:
+        raise Fp8kitError(f"{resume_from}: no fp8kit GRPO checkpoint there (a checkpoint-<step> folder written by "
+                          f"train(), or an output_dir holding some); drop resume_from to start anew")
+    return found
+
+
+def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callable],
+          config: GRPOConfig | dict | None = None, rollout=None, resume_from: str | Path | None = None,
+          on_step: Callable[[dict], None] | None = None) -> list[dict]:
     """Runs config.steps GRPO steps; returns (and passes to on_step) one metrics dict per step.
 
     prompts: strings, or dicts with a "prompt" string whose other keys reach the reward functions as keyword
     arguments (TRL's convention). A reward function is called as f(prompts=, completions=, completion_ids=,
     **columns) and returns one float per completion. rollout: the engine that samples (default: transformers'
-    generate on `model`, or the vLLM engine load_model attached)."""
+    generate on `model`, or the vLLM engine load_model attached). config: a GRPOConfig, a dict of its fields, or
+    None for the defaults."""
+    config = _config(config)
+    if config.output_dir is not None:  # it may have become a file since the config was made
+        check_output_dir(config.output_dir)
+    resume = resume_checkpoint(resume_from) if resume_from is not None else None  # before any work
     rollout = rollout or getattr(model, "rollout_engine", None) or HFRollout(model, tokenizer)
     if callable(reward_funcs):  # one function, as TRL also accepts
         reward_funcs = [reward_funcs]
@@ -282,15 +363,8 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     optimizer = torch.optim.AdamW(list(masters.values()), lr=config.learning_rate, betas=config.adam_betas,
                                   weight_decay=config.weight_decay)
     start = 0
-    if resume_from is not None:
-        resume_from = Path(resume_from)
-        if resume_from.name == "latest" or not (resume_from / STATE_FILE).exists():
-            folder = resume_from.parent if resume_from.name == "latest" else resume_from
-            found = latest_checkpoint(folder) if folder.is_dir() else None
-            if found is None and resume_from.name == "latest":
-                raise Fp8kitError(f"{folder}: no checkpoint-<step> folder to resume from; drop resume_from to start anew")
-            resume_from = found or resume_from
-        start = load_checkpoint(resume_from, model, optimizer, masters)
+    if resume is not None:
+        start = load_checkpoint(resume, model, optimizer, masters)
         rollout.sync_lora(model)
     if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -26,24 +26,34 @@ def _out_dtype(*xs: Tensor) -> torch.dtype:
     return dtype if dtype.is_floating_point else torch.float32
 
 
-def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: bool = True,
+def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: bool | str = True,
                      eps: float = 1e-4) -> Tensor:
     """Group-relative advantages: the group mean is the baseline, so no value model is needed.
 
-    `rewards` is [B*G], G consecutive completions per prompt. As TRL (scale_rewards="group"): the std is
-    Bessel-corrected (torch.std's default) and `eps` keeps a group of equal rewards at advantage 0.
-    Dr. GRPO callers pass scale_rewards=False (TRL's scale_rewards="none"): dividing by the std weights
-    easy and hard prompts unequally. A group of one gets advantage 0, as TRL's num_generations == 1 branch.
+    `rewards` is [B*G], G consecutive completions per prompt; advantages are reward - group mean, divided as TRL's
+    scale_rewards says (GRPOTrainer._generate_and_score_completions, "sum_then_normalize"):
+    - True or "group": by the group's std + eps. The std is Bessel-corrected (torch.std's default) and `eps`
+      keeps a group of equal rewards at advantage 0.
+    - "batch": by the std of all B*G rewards + eps (Bessel-corrected; the PPO Lite recommendation); the mean
+      subtracted is still the group's.
+    - False or "none": not divided (Dr. GRPO: dividing by the std weights easy and hard prompts unequally).
+    A group of one gets advantage 0, as TRL's num_generations == 1 branch.
     """
     if num_generations < 1:
         raise ValueError(f"num_generations must be >= 1, got {num_generations}")
     if rewards.dim() != 1 or rewards.numel() % num_generations:
         raise ValueError(f"rewards must be 1-D with a length divisible by num_generations={num_generations}, "
                          f"got shape {tuple(rewards.shape)}")
+    mode = ("group" if scale_rewards else "none") if isinstance(scale_rewards, bool) else scale_rewards
+    if mode not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards must be True, False, 'group', 'batch' or 'none', got {scale_rewards!r}")
     grouped = rewards.float().view(-1, num_generations)
     advantages = grouped - grouped.mean(dim=1, keepdim=True)
-    if scale_rewards:
+    if mode == "group":
         std = grouped.std(dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(advantages)
+        advantages = advantages / (std + eps)
+    elif mode == "batch":
+        std = grouped.std() if grouped.numel() > 1 else torch.zeros(())
         advantages = advantages / (std + eps)
     return advantages.reshape(-1).to(_out_dtype(rewards))
 

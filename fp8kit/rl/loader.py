@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import math
 import os
 import re
 import secrets
+import types
 from pathlib import Path
 from typing import Callable
 
@@ -22,12 +24,13 @@ from torch import nn
 
 from fp8kit.errors import Fp8kitError
 from fp8kit.rl.bf16_lora import LoRALinear
-from fp8kit.rl.fp8_linear import FP8LoRALinear
+from fp8kit.rl.fp8_linear import GROUP, FP8LoRALinear
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 RECONVERT = "re-download the checkpoint or convert it again"
+DEFAULT_SEED = 3407  # Unsloth's random_state default
 
 
 def _one_line(e: BaseException) -> str:
@@ -55,13 +58,10 @@ def _parameters_on_meta():
 
 
 def _scheme(qc: dict, where: str = "config.json") -> str:
+    """The FP8 scheme, or one Fp8kitError line naming `where` for anything else (INT8 W8A8, FP4, e5m2, ...)."""
     from fp8kit.quality import scheme_of
 
-    try:
-        return scheme_of(qc)
-    except (KeyError, TypeError, AttributeError) as e:
-        raise Fp8kitError(f"{where}: unsupported quantization_config (quant_method {qc.get('quant_method')!r}); "
-                          f"expected FP8 compressed-tensors or fp8") from e
+    return scheme_of(qc, where)
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -125,6 +125,42 @@ def check_device(device) -> torch.device:
     return torch.device("cpu") if dev.type == "cpu" else dev  # safetensors refuses 'cpu:N'; there is one CPU device
 
 
+def check_seed(seed) -> int:
+    """The LoRA initialisation seed: an integer >= 0 (a bool, float or string is refused in one line)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise Fp8kitError(f"seed={seed!r}: expected an integer >= 0 (the LoRA initialisation seed, default "
+                          f"{DEFAULT_SEED})")
+    return seed
+
+
+def seed_lora(model: nn.Module, seed: int = DEFAULT_SEED) -> None:
+    """Every LoRA A drawn afresh with PEFT's initialisation (Kaiming-uniform; B stays as it is, zero after loading),
+    from `seed` and the module's name, in float32 on the CPU and then cast: the same seed gives the same A on any
+    device and in any dtype, in the FP8 model and the BF16 baseline alike, whichever other modules carry LoRA.
+    The global random state is neither read nor advanced."""
+    with torch.no_grad():
+        for name, module in lora_modules(model).items():
+            digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+            generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            a = torch.empty(tuple(module.lora_A.shape), dtype=torch.float32)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            module.lora_A.copy_(a)
+
+
+def _rng_devices(device: torch.device | None) -> list[int]:
+    """The CUDA devices whose random state building the layers may advance (init_lora draws on the weights'
+    device): the load's device, or for views of a vLLM engine (device None) the current one."""
+    if device is not None:
+        return [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+    return [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+
+
+def _file_of(getter, where: str) -> str:
+    """The safetensors file a tensor getter reads (a vLLM view has none: `where` then)."""
+    return str(getter.args[0]) if isinstance(getter, functools.partial) and getter.args else where
+
+
 def lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout=0.0, device=None) -> set[str]:
     """The LoRA arguments checked before anything is loaded or converted (each mistake otherwise surfaces as a
     torch error, or as a model without LoRA); the target leaf names as a set."""
@@ -152,49 +188,64 @@ def lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout=0.0, device
 
 def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str | None, dtype: torch.dtype,
              lora_rank: int, lora_alpha: float | None, targets: set[str], lora_dropout: float,
-             backend: str | None, where: str) -> nn.Module:
+             backend: str | None, where: str, seed: int = DEFAULT_SEED,
+             device: torch.device | None = None) -> nn.Module:
     """The transformers model for `config` built on the meta device and filled from `tensors` (name -> getter):
     the checkpoint's files, or views of a vLLM engine's parameters. Quantized Linears (those with a scale)
-    become FP8LoRALinear; with scheme None, the Linears named in `targets` become the BF16 LoRALinear."""
+    become FP8LoRALinear; Linears in source precision (all of them with scheme None; in an FP8 checkpoint those
+    the converter kept, e.g. block FP8's MLP of a width that is no multiple of 128) named in `targets` become the
+    BF16 LoRALinear, so an FP8 model and its BF16 baseline carry LoRA on the same modules. LoRA A is drawn from
+    `seed` (seed_lora); `device`: where the tensors live (None: vLLM's GPU)."""
     from transformers import AutoModelForCausalLM
 
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     scale_suffix = next((s for s in ("weight_scale_inv", "weight_scale") if any(k.endswith("." + s) for k in tensors)),
                         None) if scheme else None
-    if scheme:
-        candidates = {k[: -len(".weight")] for k in tensors if k.endswith(".weight")
-                      and k[: -len("weight")] + str(scale_suffix) in tensors}
-    else:
-        candidates = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n + ".weight" in tensors}
-    leaves = {n.rsplit(".", 1)[-1] for n in candidates}
+    quantized = {k[: -len(".weight")] for k in tensors if k.endswith(".weight")
+                 and k[: -len("weight")] + str(scale_suffix) in tensors} if scheme else set()
+    plain = {n for n, m in model.named_modules()
+             if isinstance(m, nn.Linear) and n + ".weight" in tensors and n not in quantized}
+    leaves = {n.rsplit(".", 1)[-1] for n in quantized | plain}
     if lora_rank:
         # every target named by the caller must exist; of the defaults, at least one (architectures differ)
         unmatched = sorted(targets - leaves) if targets != set(DEFAULT_TARGETS) else []
         if unmatched or not targets & leaves:
-            kind = "quantized Linear" if scheme else "Linear"
-            raise Fp8kitError(f"{where}: target_modules {(unmatched or sorted(targets))[0]!r} matches no {kind} of the "
-                              f"model; its {kind}s are {', '.join(sorted(leaves))}")
-    # FP8: every quantized Linear becomes an FP8 layer (LoRA only on targets); BF16: only the targets change
-    lora_linears = candidates if scheme else {n for n in candidates if n.rsplit(".", 1)[-1] in targets}
-    for name in sorted(lora_linears):
-        try:
-            module = model.get_submodule(name)
-        except AttributeError as e:
-            raise Fp8kitError(f"{where}: quantized module {name} has no counterpart in the model (fused MoE experts "
-                              f"are not supported by load_fp8_model yet)") from e
-        if not isinstance(module, nn.Linear):
-            raise Fp8kitError(f"{where}: {name} is quantized in the checkpoint but is a {type(module).__name__} here")
-        bias = tensors[name + ".bias"]().to(dtype) if module.bias is not None else None
-        rank = lora_rank if name.rsplit(".", 1)[-1] in targets else 0
-        if scheme:
-            layer = FP8LoRALinear(tensors[name + ".weight"](), tensors[f"{name}.{scale_suffix}"](), scheme, bias,
-                                  rank=rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype, backend=backend)
-        else:
-            layer = LoRALinear(tensors[name + ".weight"]().to(dtype), bias, rank=rank, alpha=lora_alpha,
-                               dropout=lora_dropout, dtype=dtype)
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, layer)
+            raise Fp8kitError(f"{where}: target_modules {(unmatched or sorted(targets))[0]!r} matches no Linear of the "
+                              f"model; its Linears are {', '.join(sorted(leaves))}")
+    if scheme == "block":  # before any weight is read
+        for name in sorted(quantized):
+            module = _submodule(model, name)
+            if isinstance(module, nn.Linear) and module.in_features % GROUP:
+                raise Fp8kitError(
+                    f"{_file_of(tensors[name + '.weight'], where)}: {name} is block FP8 with in_features "
+                    f"{module.in_features}, not a multiple of {GROUP} (partial blocks along K, as llm-compressor "
+                    f"writes them), which fp8kit's block layers cannot compute; convert the source model again with "
+                    f"`fp8-convert SRC OUT --scheme block`, which keeps such Linears in source precision")
+    # every quantized Linear becomes an FP8 layer (LoRA only on targets); of the others only the targets change
+    lora_linears = quantized | ({n for n in plain if n.rsplit(".", 1)[-1] in targets} if lora_rank else set())
+    # the layers' own LoRA initialisation draws from the global generators: forked, so the caller's random state
+    # stays as it was; seed_lora then draws every A from the seed
+    with torch.random.fork_rng(devices=_rng_devices(device)):
+        for name in sorted(lora_linears):
+            module = _submodule(model, name)
+            if module is None:
+                raise Fp8kitError(f"{where}: quantized module {name} has no counterpart in the model (fused MoE "
+                                  f"experts are not supported by load_fp8_model yet)")
+            if not isinstance(module, nn.Linear):
+                raise Fp8kitError(f"{where}: {name} is quantized in the checkpoint but is a {type(module).__name__} "
+                                  f"here")
+            bias = tensors[name + ".bias"]().to(dtype) if module.bias is not None else None
+            rank = lora_rank if name.rsplit(".", 1)[-1] in targets else 0
+            if name in quantized:
+                layer = FP8LoRALinear(tensors[name + ".weight"](), tensors[f"{name}.{scale_suffix}"](), scheme, bias,
+                                      rank=rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype, backend=backend)
+            else:
+                layer = LoRALinear(tensors[name + ".weight"]().to(dtype), bias, rank=rank, alpha=lora_alpha,
+                                   dropout=lora_dropout, dtype=dtype)
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, layer)
+    seed_lora(model, seed)
     placed = {f"{m}.{leaf}" for m in lora_linears for leaf in ("weight", scale_suffix, "bias")}
     for key, get in tensors.items():
         # static activation and KV-cache scales serve vLLM; the trainer quantizes activations dynamically and
@@ -211,7 +262,54 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
     for n, p in model.named_parameters():
         p.requires_grad_(n.endswith(("lora_A", "lora_B")))
     model.fp8_scheme = scheme
+    # transformers' own would write the frozen base (FP8 weights under a config without their quantization_config,
+    # which loads as another model); peft's PeftModel.save_pretrained writes the adapter alone, and so does this
+    model.save_pretrained = types.MethodType(_save_pretrained, model)
+    model.push_to_hub = types.MethodType(_push_to_hub, model)
     return model
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+SAVE_PRETRAINED_OPTIONS = ("is_main_process", "safe_serialization")
+
+
+def _save_pretrained(model: nn.Module, save_directory=None, *args, **kwargs) -> None:
+    """model.save_pretrained(folder) for models of load_fp8_model, load_lora_model and load_model: the LoRA adapter in
+    PEFT's format (save_adapter), as peft's PeftModel.save_pretrained saves only the adapter; the base is the
+    checkpoint the model came from. Options: is_main_process (False: write nothing, as transformers and peft) and
+    safe_serialization=True; push_to_hub=True and any other option are refused in one line."""
+    usage = ("this model's save_pretrained saves its LoRA adapter in PEFT's format (as peft's PeftModel does) and "
+             "takes a folder, is_main_process and safe_serialization=True")
+    if args:
+        raise Fp8kitError(f"save_pretrained: {len(args)} positional argument(s) after the folder; {usage}")
+    if kwargs.get("push_to_hub", False) is not False:
+        raise Fp8kitError("save_pretrained(push_to_hub=True): fp8kit does not upload; save the adapter with "
+                          "save_pretrained(folder), then upload the folder (huggingface_hub's upload_folder)")
+    kwargs.pop("push_to_hub", None)
+    unknown = sorted(set(kwargs) - set(SAVE_PRETRAINED_OPTIONS))
+    if unknown:
+        raise Fp8kitError(f"save_pretrained({unknown[0]}=...): not supported; {usage}")
+    if kwargs.get("safe_serialization", True) is not True:
+        raise Fp8kitError(f"save_pretrained(safe_serialization={kwargs['safe_serialization']!r}): fp8kit writes "
+                          f"adapters as safetensors only, never pickle; drop the option")
+    is_main_process = kwargs.get("is_main_process", True)
+    if not isinstance(is_main_process, bool):
+        raise Fp8kitError(f"save_pretrained(is_main_process={is_main_process!r}): expected True or False")
+    if not isinstance(save_directory, (str, os.PathLike)):
+        raise Fp8kitError(f"save_pretrained({save_directory!r:.60}): expected a folder path (str or pathlib.Path)")
+    if is_main_process:
+        save_adapter(model, save_directory)
+
+
+def _push_to_hub(model: nn.Module, *args, **kwargs):
+    raise Fp8kitError("push_to_hub: fp8kit does not upload; model.save_pretrained(folder) writes the LoRA adapter in "
+                      "PEFT's format, then upload that folder (huggingface_hub's upload_folder)")
 
 
 def read_config(path: Path):
@@ -244,33 +342,47 @@ def read_config(path: Path):
 
 def load_fp8_model(path_or_name: str | Path, dtype: torch.dtype = torch.bfloat16, lora_rank: int = 16,
                    lora_alpha: float | None = None, target_modules: list[str] | tuple[str, ...] | None = None,
-                   lora_dropout: float = 0.0, device: str | torch.device = "cpu", backend: str | None = None):
+                   lora_dropout: float = 0.0, device: str | torch.device = "cpu", backend: str | None = None,
+                   seed: int = DEFAULT_SEED):
     """Returns the transformers causal LM with FP8 base weights and LoRA on `target_modules` (leaf names;
-    default every projection). A name goes through the registry (an FP8 upload, or a cached conversion)."""
+    default every projection, also those the checkpoint keeps in source precision). A name goes through the
+    registry (an FP8 upload, or a cached conversion). `seed` draws the LoRA initialisation (Unsloth's
+    random_state default, 3407) without touching the global random state. model.save_pretrained(folder) saves
+    the adapter in PEFT's format (as save_adapter)."""
     _check_dtype(dtype)
     lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout, device)
+    check_seed(seed)
     path = Path(path_or_name).expanduser()
-    if not path.is_dir():
+    local = path.is_dir()
+    if not local:
         from fp8kit.registry import ensure
 
         path = ensure(str(path_or_name), "auto")
     config, scheme = read_config(path)
     if scheme is None:
         raise Fp8kitError(f"{path}: not an FP8 checkpoint (no quantization_config); convert it with fp8-convert")
-    return _load(path, config, scheme, dtype, lora_rank, lora_alpha, target_modules, lora_dropout, device, backend)
+    model = _load(path, config, scheme, dtype, lora_rank, lora_alpha, target_modules, lora_dropout, device, backend,
+                  seed)
+    if local:  # saved adapters name their base by it: peft opens neither '~' nor a path relative to another folder
+        model.name_or_path = str(path.resolve())
+    return model
 
 
 def load_lora_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, lora_rank: int = 16,
                     lora_alpha: float | None = None, target_modules: list[str] | tuple[str, ...] | None = None,
-                    lora_dropout: float = 0.0, device: str | torch.device = "cpu"):
-    """The full-precision baseline: the checkpoint's weights in `dtype`, LoRA on `target_modules`."""
+                    lora_dropout: float = 0.0, device: str | torch.device = "cpu", seed: int = DEFAULT_SEED):
+    """The full-precision baseline: the checkpoint's weights in `dtype`, LoRA on `target_modules`, A drawn from
+    `seed` as load_fp8_model draws it (the same seed: the same initial adapter)."""
     _check_dtype(dtype)
     lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout, device)
+    check_seed(seed)
     path = Path(path).expanduser()
     config, scheme = read_config(path)
     if scheme is not None:
         raise Fp8kitError(f"{path}: an FP8 checkpoint; the BF16/FP16 baseline needs the original model")
-    return _load(path, config, None, dtype, lora_rank, lora_alpha, target_modules, lora_dropout, device, None)
+    model = _load(path, config, None, dtype, lora_rank, lora_alpha, target_modules, lora_dropout, device, None, seed)
+    model.name_or_path = str(path.resolve())
+    return model
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -278,11 +390,11 @@ def _check_dtype(dtype: torch.dtype) -> None:
         raise Fp8kitError(f"dtype {dtype}: expected torch.bfloat16, torch.float16 or torch.float32")
 
 
-def _load(path, config, scheme, dtype, lora_rank, lora_alpha, target_modules, lora_dropout, device, backend):
+def _load(path, config, scheme, dtype, lora_rank, lora_alpha, target_modules, lora_dropout, device, backend, seed):
     device = check_device(device)
     model = assemble(config, _checkpoint_tensors(path, device), scheme, dtype, lora_rank, lora_alpha,
                      lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout), lora_dropout, backend,
-                     str(path))
+                     str(path), seed=seed, device=device)
     if (path / "generation_config.json").exists():  # its stop tokens, as vLLM reads them (from_config skips it)
         from transformers import GenerationConfig
 

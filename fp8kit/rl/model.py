@@ -8,9 +8,15 @@ from pathlib import Path
 import torch
 
 from fp8kit.errors import Fp8kitError
-from fp8kit.rl.loader import check_device, load_fp8_model, load_lora_model, lora_targets, read_config
+from fp8kit.rl.loader import (DEFAULT_SEED, _one_line, check_device, check_seed, load_fp8_model, load_lora_model,
+                               lora_targets, read_config, seed_lora)
 from fp8kit.rl.rollout import HFRollout
 from fp8kit.rl.vllm_engine import check_rollout_arguments
+
+
+# what AutoTokenizer reads: a fast tokenizer's file, the config naming the class, or a slow tokenizer's vocabulary
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "vocab.txt", "tekken.json")
 
 
 def _vllm_available() -> bool:
@@ -25,7 +31,7 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
                max_seq_length: int = 2048, lora_rank: int = 32, lora_alpha: float | None = None,
                target_modules: list[str] | None = None, fast_inference: bool = True,
                gpu_memory_utilization: float = 0.6, device: str | None = None, backend: str | None = None,
-               vllm_kwargs: dict | None = None):
+               vllm_kwargs: dict | None = None, seed: int = DEFAULT_SEED):
     """Returns (model, tokenizer). `model.rollout_engine` samples for GRPO.
 
     load_in_fp8: True for per-channel FP8 (row-wise, the fastest on SM89+), "block" for 128x128 blocks, False
@@ -33,9 +39,9 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
     conversion made once and cached; a local FP8 checkpoint is used as it is. With fast_inference and vLLM
     installed on a CUDA machine, vLLM is started in this process and the model's weights are views of vLLM's
     (one copy on the GPU; vllm_kwargs reach vllm.LLM, e.g. kv_cache_memory_bytes); otherwise rollouts use
-    transformers' generate on the model itself."""
-    from transformers import AutoTokenizer
-
+    transformers' generate on the model itself. `seed` draws the LoRA initialisation (default 3407, Unsloth's
+    random_state) without touching the global random state. model.save_pretrained(folder) saves the adapter in
+    PEFT's format."""
     if not (load_in_fp8 is True or load_in_fp8 is False or load_in_fp8 in ("block", "dynamic")):  # 0 == False
         raise Fp8kitError(f"load_in_fp8={load_in_fp8!r}: expected True (or 'dynamic'), 'block' or False")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -44,6 +50,7 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
         raise Fp8kitError(f"max_seq_length={max_seq_length!r}: expected an integer >= 2 (prompt and completion tokens)")
     device = check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     lora_targets(lora_rank, lora_alpha, target_modules, 0.0, device)  # before any conversion or engine start
+    check_seed(seed)
     with_vllm = fast_inference and device.type == "cuda" and _vllm_available()
     if with_vllm and device.index not in (None, 0):
         # vLLM's single-GPU worker takes cuda:<local rank> = cuda:0 of this process (vllm/v1/worker/gpu_worker.py),
@@ -52,8 +59,12 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
                           f"CUDA_VISIBLE_DEVICES={device.index} and pass device='cuda', or pass fast_inference=False")
     if with_vllm:  # before _checkpoint, which may convert the model
         check_rollout_arguments(dtype, lora_rank)
+    local = Path(name).expanduser()
+    if local.is_dir() and read_config(local)[1] is None:  # an original to convert: its tokenizer before minutes of work
+        _check_tokenizer_files(local)
     path = _checkpoint(str(name), load_in_fp8)
     scheme = read_config(path)[1]
+    tokenizer = _tokenizer(path)  # before any weight is read or vLLM starts
     lora = dict(lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules)
     if with_vllm:
         from fp8kit.rl.vllm_engine import VLLMRollout
@@ -62,20 +73,41 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
                              gpu_memory_utilization=gpu_memory_utilization, lora_rank=lora_rank,
                              target_modules=target_modules, **(vllm_kwargs or {}))
         model = engine.training_model(scheme, dtype, backend=backend, **lora)
+        if lora_rank and seed != DEFAULT_SEED:  # training_model initialised LoRA from the default seed
+            seed_lora(model, seed)
+            engine.sync_lora(model)
     else:
         if scheme:
-            model = load_fp8_model(path, dtype, device=device, backend=backend, **lora)
+            model = load_fp8_model(path, dtype, device=device, backend=backend, seed=seed, **lora)
         else:
-            model = load_lora_model(path, dtype, device=device, **lora)
+            model = load_lora_model(path, dtype, device=device, seed=seed, **lora)
         engine = None
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     model.rollout_engine = engine or HFRollout(model, tokenizer)
     model.max_seq_length = max_seq_length
-    local = Path(name).expanduser()  # saved adapters name their base by it: peft opens neither '~' nor a relative path
+    # saved adapters name their base by it: peft opens neither '~' nor a relative path
     model.name_or_path = str(local.resolve()) if local.is_dir() else str(name)
     return model, tokenizer
+
+
+def _check_tokenizer_files(path: Path) -> None:
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise Fp8kitError(f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); GRPO needs the "
+                          f"model's tokenizer: copy the original model's tokenizer files into this folder")
+
+
+def _tokenizer(path: Path):
+    """The checkpoint's tokenizer, pad token defaulting to EOS; one error line if it has none or it cannot load."""
+    from transformers import AutoTokenizer
+
+    _check_tokenizer_files(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, ImportError (sentencepiece), JSON errors, ...
+        raise Fp8kitError(f"{path}: transformers cannot load its tokenizer ({_one_line(e)}); copy the original "
+                          f"model's tokenizer files into this folder") from e
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def _checkpoint(name: str, load_in_fp8: bool | str) -> Path:
