@@ -37,6 +37,16 @@ def _fail(message: str, code: int = 1):
     sys.exit(code)
 
 
+def _ignore_interrupts() -> None:
+    """The console script has finished (its output is complete and reported): a Ctrl-C or SIGTERM during the
+    interpreter's shutdown (torch's teardown takes a moment) would end the process by that signal, without our line
+    and with another status than the work's."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class _Interruptible:
     """Click commands whose interrupt (Ctrl-C, or SIGTERM from the start of main()) is one line and exit 130, never
     click's `Aborted!` and exit 1, a KeyboardInterrupt traceback or a silent death by SIGTERM. main() is the
@@ -48,6 +58,13 @@ class _Interruptible:
     def __init__(self, *args, interrupted: str = "nothing was changed", **kwargs):
         super().__init__(*args, **kwargs)
         self.interrupted = interrupted
+
+    def __call__(self, *args, **kwargs):
+        """The console scripts' entry (click's CliRunner calls main() instead, and keeps its process's handlers)."""
+        try:
+            return self.main(*args, **kwargs)
+        finally:
+            _ignore_interrupts()
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
@@ -173,7 +190,8 @@ def main():
 @main.command(interrupted="its temporary files were removed")
 @click.option("--seed", default=0, show_default=True)
 def demo(seed):
-    """Build a tiny random Llama, convert it with dynamic, block and tensor, load each back, print a table."""
+    """Build a tiny random Llama, convert it with dynamic, block and tensor, and block in the fp8 format, load each
+    back, print a table."""
     from fp8kit.demo import format_table, run_demo
 
     try:

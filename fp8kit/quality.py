@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ def scheme_of(quantization_config: dict, where: str = "quantization_config") -> 
     method = qc.get("quant_method")
     if method == "fp8":
         fmt = qc.get("fmt", "e4m3")
-        if fmt != "e4m3":
+        if fmt not in ("e4m3", "float8_e4m3fn"):  # MiniMax-M2's config spells it as the torch dtype
             raise refuse(f"quant_method fp8 with fmt {fmt!r}, not e4m3")
         block = qc.get("weight_block_size")
         if not block:
@@ -65,10 +66,13 @@ def scheme_of(quantization_config: dict, where: str = "quantization_config") -> 
         if isinstance(activations, dict) and (activations.get("type") != "float" or activations.get("num_bits") != 8):
             raise refuse(f"compressed-tensors input activations of type {activations.get('type')!r} with num_bits "
                          f"{activations.get('num_bits')!r} in config group {name!r}, not FP8")
-        if not isinstance(strategy, str) or strategy not in strategies:
+        strategy = strategy.lower() if isinstance(strategy, str) else strategy  # compressed-tensors lowers it too
+        if strategy not in strategies:
             raise refuse(f"compressed-tensors FP8 weights with strategy {strategy!r} in config group {name!r}")
         if strategy == "block":
             block = weights.get("block_structure")
+            if isinstance(block, str) and re.fullmatch(r"\d+x\d+", block):  # the legacy "128x128" spelling
+                block = [int(n) for n in block.split("x")]
             if not isinstance(block, (list, tuple)) or list(block) != [128, 128]:
                 raise refuse(f"compressed-tensors FP8 blocks of {block!r} in config group {name!r}, not [128, 128]")
         schemes[name] = strategies[strategy]

@@ -113,6 +113,16 @@ class FakeHub:
                             entry["actions"] = {"upload": {"href": f"{hub.url}/lfs-upload/{o['oid']}"}}
                         objects.append(entry)
                     return self.send(200, {"transfer": "basic", "objects": objects})
+                m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+                if m and method in ("GET", "HEAD"):  # hf_hub_download: the file at the head of main
+                    repo = hub.repos.get(m[1])
+                    if repo is None:
+                        return self.error(404, "Repository not found", "RepoNotFound")
+                    if m[3] not in repo["files"]:
+                        return self.error(404, "Entry not found", "EntryNotFound")
+                    data = (hub.root / "lfs" / repo["files"][m[3]]).read_bytes()
+                    return self.send(200, raw=data, head=method == "HEAD",
+                                     headers={"X-Repo-Commit": repo["sha"], "ETag": f'"{git_sha1(data)}"'})
                 m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(/.*)?", path)
                 if m:
                     repo = hub.repos.get(m[1])

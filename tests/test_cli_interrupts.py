@@ -212,3 +212,23 @@ assert names["convert"] is converter.convert and names["ConvertReport"] is conve
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_signal_after_the_work_is_done_does_not_change_the_exit(tmp_path):
+    """A SIGTERM or Ctrl-C in the interpreter's shutdown, after the report was printed, ended the process by that
+    signal (status -15 or -2, no line): the console script now ignores them once its command has returned, while
+    a CliRunner caller in the same process keeps its own handlers."""
+    from click.testing import CliRunner
+
+    from fp8kit.cli import main
+
+    code = ("import atexit, signal, sys; from fp8kit.cli import main; "
+            "atexit.register(lambda: print('ignored' if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN and "
+            "signal.getsignal(signal.SIGINT) == signal.SIG_IGN else 'default', file=sys.stderr)); "
+            "sys.argv = ['fp8kit', 'registry', 'list', '--json']; main()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "FP8KIT_REGISTRY": str(tmp_path / "none.toml")})
+    assert proc.returncode == 0 and proc.stderr.strip().splitlines()[-1] == "ignored", proc.stderr
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    assert CliRunner().invoke(main, ["registry", "list"]).exit_code == 0
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

@@ -140,6 +140,26 @@ def test_foreign_repo_needs_force(tmp_path, hub, src):
     assert proc.returncode == 0 and b"fp8kit" in hub.file("tester/tiny-FP8-Dynamic", "README.md")
 
 
+def test_an_fp8kit_repo_of_another_base_model_needs_force(tmp_path, hub, src):
+    """Published from another machine (whose overlay this one never saw), `tester/Foo-FP8-Dynamic` of org-a/Foo
+    was replaced by org-b/Foo's weights: the repo's fp8kit.json names its base, and it is read first."""
+    hub.add_repo("tester/Foo-FP8-Dynamic", {"fp8kit.json": json.dumps({"tool": "fp8kit", "base_model": "org-a/Foo",
+                                                                      "scheme": "dynamic"}).encode(),
+                                            "model.safetensors": b"org-a's weights"})
+    args = [src, "--base-model", "org-b/Foo", "--scheme", "dynamic", "--json"]
+    proc = publish(tmp_path, hub, *args)
+    error = results(proc)["tester/Foo-FP8-Dynamic"]["error"]
+    assert proc.returncode == 1 and "variant of org-a/Foo" in error and "not of org-b/Foo" in error, error
+    assert hub.file("tester/Foo-FP8-Dynamic", "model.safetensors") == b"org-a's weights"
+    assert not (tmp_path / "overlay.toml").exists() or "Foo" not in (tmp_path / "overlay.toml").read_text()
+    proc = publish(tmp_path, hub, *args, "--force")
+    assert proc.returncode == 0 and hub.file("tester/Foo-FP8-Dynamic", "model.safetensors") != b"org-a's weights"
+    # the same base, spelled in another case: an update, no --force needed
+    hub.add_repo("tester/Bar-FP8-Dynamic", {"fp8kit.json": json.dumps({"base_model": "ORG-A/bar"}).encode()})
+    proc = publish(tmp_path, hub, src, "--base-model", "org-a/Bar", "--scheme", "dynamic", "--json")
+    assert proc.returncode == 0 and results(proc)["tester/Bar-FP8-Dynamic"]["status"] == "uploaded", proc.stdout
+
+
 def test_max_kl_rejects_and_plan_goes_on_past_failures(tmp_path, hub, src):
     plan = tmp_path / "plan.toml"
     plan.write_text(f'''

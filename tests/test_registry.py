@@ -459,3 +459,24 @@ def test_an_unfinished_conversion_of_a_local_checkpoint_is_listed_by_its_path(tm
     assert (row["name"], row["status"], row["path"]) == (str(local.resolve()), "unfinished", str(stale))
     result = CliRunner().invoke(main, ["cache", "rm", str(local)])
     assert result.exit_code == 0 and not model_dir(str(local)).exists(), result.output
+
+
+def test_a_conversion_waiting_while_cache_rm_removes_its_folder_starts_again(tmp_path, llama_dir, monkeypatch):
+    """`cache rm` deletes a model folder while holding its locks; a conversion waiting on one then found its lock
+    file gone (FileNotFoundError) and reported that the cache could not be written."""
+    import fp8kit.registry.cache as cache
+    from filelock import FileLock
+
+    calls = []
+
+    class RemovedWhileWaiting(FileLock):
+        def acquire(self, *args, **kwargs):
+            if not calls:
+                calls.append(self.lock_file)
+                shutil.rmtree(Path(self.lock_file).parent.parent)  # what cache rm does meanwhile
+                raise FileNotFoundError(2, "No such file or directory", self.lock_file)
+            return super().acquire(*args, **kwargs)
+
+    monkeypatch.setattr(cache, "FileLock", RemovedWhileWaiting)
+    entry = cache.cached_conversion(str(llama_dir), "dynamic")
+    assert calls and cache.verify(entry)

@@ -46,6 +46,13 @@ def test_output_dir_as_a_path_is_kept_as_a_string_and_checkpoints(tiny_fp8, tmp_
     assert str(e.value).startswith("output_dir=3:") and "\n" not in str(e.value)
 
 
+def test_output_dir_under_home_is_expanded(tmp_path, monkeypatch):
+    """'~/runs' made a folder literally named '~' in the working directory, as transformers' TrainingArguments
+    does not."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert GRPOConfig(output_dir="~/runs").output_dir == str(tmp_path / "home" / "runs")
+
+
 @pytest.mark.parametrize("value", [1.0, [float("nan")], [float("inf")], [True], ["1"], [1.0, None]],
                          ids=["not-a-list", "nan", "inf", "bool", "string", "none"])
 def test_reward_weights_must_be_a_list_of_finite_numbers(value):
@@ -190,15 +197,17 @@ def test_reward_values_must_be_numbers(tiny_fp8):
     config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
     for returned, needle in ((["1.0", "0.0"], "holding str '1.0'"), ([b"1", b"0"], "holding bytes"),
                              ("10", "returned str '10'"), ([torch.ones(2), torch.ones(2)], "tensor of shape (2,)"),
-                             ([1 + 2j, 0], "holding complex")):
+                             ([1 + 2j, 0], "holding complex"), (torch.ones(2, 2), "returned Tensor of shape (2, 2)"),
+                             ([np.ones(2), np.ones(2)], "ndarray of shape (2,)")):
         with pytest.raises(Fp8kitError) as e:
             train(model, tok, ["the quick"], [lambda completions, r=returned, **_: r], config)
         assert needle in str(e.value) and "\n" not in str(e.value), e.value
         assert str(e.value).startswith("reward function <lambda> returned"), e.value
     seen = []
     for returned in ([True, 0], [np.float32(0.5), np.int64(1)], [np.bool_(True), None], torch.tensor([0.5, 1.0]),
-                     np.array([0.5, 1.0]), [torch.tensor(1.0), torch.tensor(1, dtype=torch.int64)], (0.5, 1)):
+                     np.array([0.5, 1.0]), [torch.tensor(1.0), torch.tensor(1, dtype=torch.int64)], (0.5, 1),
+                     torch.tensor([[0.5], [1.0]]), [np.array(0.5), np.array(1.0)], [torch.tensor([0.5]), torch.ones(1)]):
         history = train(model, tok, ["the quick"], [lambda completions, r=returned, **_: r], config,
                         on_step=seen.append)
         assert len(history) == 1
-    assert [m["reward_mean"] for m in seen] == [0.5, 0.75, 0.5, 0.75, 0.75, 1.0, 0.75]
+    assert [m["reward_mean"] for m in seen] == [0.5, 0.75, 0.5, 0.75, 0.75, 1.0, 0.75, 0.75, 0.75, 0.75]

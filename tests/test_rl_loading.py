@@ -86,15 +86,29 @@ def test_save_pretrained_saves_the_adapter_as_peft_does(fp8_dir, src32, tmp_path
     assert not (tmp_path / "nowhere").exists()  # only the main process writes, as in transformers and peft
 
 
+def test_transformers_trainer_saves_the_adapter(fp8_dir, tmp_path):
+    """Trainer._save calls save_pretrained(folder, state_dict=...) (transformers 5.17): refusing unknown options
+    made every Trainer checkpoint fail. peft's options (safe_serialization=False, selected_adapters) are taken too;
+    the adapter is always written as safetensors."""
+    from transformers import Trainer, TrainingArguments
+
+    model = _random_b(load_fp8_model(fp8_dir, torch.float32, lora_rank=4, lora_alpha=8))
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True)
+    with quiet():
+        Trainer(model=model, args=args).save_model(str(tmp_path / "final"))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "final").iterdir()}
+    assert not any(p.name.startswith("model") for p in (tmp_path / "final").iterdir())  # no base weights
+    model.save_pretrained(tmp_path / "peft", safe_serialization=False, selected_adapters=["default"], state_dict=None)
+    assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
 @pytest.mark.parametrize("call,needle", [
     (lambda m, d: m.save_pretrained(d, push_to_hub=True), "save_pretrained(push_to_hub=True): fp8kit does not upload"),
-    (lambda m, d: m.save_pretrained(d, state_dict={}), "save_pretrained(state_dict=...): not supported"),
-    (lambda m, d: m.save_pretrained(d, max_shard_size="1GB"), "save_pretrained(max_shard_size=...): not supported"),
-    (lambda m, d: m.save_pretrained(d, safe_serialization=False), "safetensors only"),
+    (lambda m, d: m.save_pretrained(d, selected_adapters=["other"]), "carry one adapter, 'default'"),
     (lambda m, d: m.save_pretrained(d, False), "positional argument"),
     (lambda m, d: m.save_pretrained(None), "expected a folder path"),
     (lambda m, d: m.push_to_hub("me/adapter"), "push_to_hub: fp8kit does not upload"),
-], ids=["push", "state_dict", "shards", "pickle", "positional", "no-folder", "push_to_hub"])
+], ids=["push", "adapters", "positional", "no-folder", "push_to_hub"])
 def test_save_pretrained_refuses_what_it_does_not_do(fp8_dir, tmp_path, call, needle):
     model = load_fp8_model(fp8_dir, torch.float32, lora_rank=2)
     with pytest.raises(Fp8kitError) as e:
@@ -132,6 +146,10 @@ def test_scheme_of_is_strict():
     assert scheme_of(_ct(strategy="block", block_structure=[128, 128])) == "block"
     assert scheme_of({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}) == "block"
     assert scheme_of({"quant_method": "fp8", "activation_scheme": "dynamic"}) == "tensor"
+    # spellings real configs use: MiniMax-M2's fmt, compressed-tensors' legacy block string and upper-case strategy
+    assert scheme_of({"quant_method": "fp8", "fmt": "float8_e4m3fn", "weight_block_size": [128, 128]}) == "block"
+    assert scheme_of(_ct(strategy="block", block_structure="128x128")) == "block"
+    assert scheme_of(_ct(strategy="CHANNEL")) == "dynamic"
     two = _ct()
     two["config_groups"]["group_1"] = two["config_groups"]["group_0"]
     assert scheme_of(two) == "dynamic"  # several groups of one scheme

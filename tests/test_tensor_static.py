@@ -35,6 +35,10 @@ def test_static_scales_calibrated_and_loadable(tmp_path):
     assert (out / "tokenizer.json").exists() and not (out / "recipe.yaml").exists()
     # weights: the same per-tensor formula as our streaming `tensor` scheme
     convert(src, tmp_path / "dyn", scheme="tensor")
+    # GRPO with vLLM refuses static scales (vLLM would use them, the trainer quantizes per token): told apart here
+    from fp8kit.rl.loader import static_activation_scales
+
+    assert static_activation_scales(out) and not static_activation_scales(tmp_path / "dyn")
     with safe_open(out / "model.safetensors", "pt") as a, safe_open(tmp_path / "dyn" / "model.safetensors", "pt") as b:
         name = "model.layers.1.mlp.down_proj.weight"
         codes_a, codes_b = (t.get_tensor(name).view(torch.uint8).to(torch.int16) for t in (a, b))

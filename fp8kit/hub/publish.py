@@ -351,6 +351,8 @@ def _upload(api, result: PublishResult, folder: Path, private: bool, create_pr: 
             if remote and PROVENANCE not in remote and not force:
                 raise Fp8kitError(f"{repo_id}: exists and was not made by fp8kit (no {PROVENANCE}); pass --force to "
                                   f"upload into it")
+            if PROVENANCE in remote and not force:
+                _check_remote_base(api, repo_id, folder)
             if _identical_on_hub(api, repo_id, folder, remote):
                 result.status, result.url = "unchanged", f"{api.endpoint}/{repo_id}"
                 return
@@ -365,6 +367,20 @@ def _upload(api, result: PublishResult, folder: Path, private: bool, create_pr: 
         raise _http_error(e, repo_id) from e
     result.status = "uploaded"
     result.url = getattr(info, "pr_url", None) or getattr(info, "commit_url", None)
+
+
+def _check_remote_base(api, repo_id: str, folder: Path) -> None:
+    """An fp8kit repo made from another base model (org-a/Foo and org-b/Foo fill the default template alike, also
+    from another machine, whose overlay this one never saw) is not replaced: its users would get other weights."""
+    ours = json.loads((folder / PROVENANCE).read_text()).get("base_model")
+    try:
+        theirs = json.loads(Path(_with_retries(lambda: api.hf_hub_download(repo_id, PROVENANCE))).read_text())
+    except ValueError:  # unreadable provenance: no base to compare
+        return
+    base = theirs.get("base_model") if isinstance(theirs, dict) else None
+    if isinstance(base, str) and base.lower() != str(ours).lower():
+        raise Fp8kitError(f"{repo_id}: holds fp8kit's FP8 variant of {base} (its {PROVENANCE}), not of {ours}; "
+                          f"publish under another --repo-template or --org, or pass --force to replace it")
 
 
 def _check_overlay() -> None:

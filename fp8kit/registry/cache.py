@@ -159,8 +159,14 @@ def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -
     # filelock (huggingface_hub's own dependency): flock on POSIX, msvcrt locking on Windows
     lock = FileLock(entry.parent / (entry.name + ".lock"))
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        lock.acquire()  # a second process waits here while the first converts
+        for attempt in range(3):
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                lock.acquire()  # a second process waits here while the first converts
+                break
+            except FileNotFoundError:  # `cache rm` removed the folder while this waited: made again
+                if attempt == 2:
+                    raise
     except OSError as e:
         fix = "set FP8KIT_CACHE to a folder you can write" if os.environ.get("FP8KIT_CACHE") else \
             "make it writable, or set FP8KIT_CACHE to a folder you can write"

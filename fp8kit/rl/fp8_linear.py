@@ -168,7 +168,8 @@ def fp8_input_grad(gq: torch.Tensor, gs: torch.Tensor, weight: torch.Tensor, ws:
 
 
 def pick_backend(device: torch.device, requested: str | None = None) -> str:
-    """FP8KIT_BACKEND or the argument wins; otherwise torch's scaled_mm on SM89+ GPUs, the reference elsewhere.
+    """FP8KIT_BACKEND or the argument wins; otherwise `triton` on SM89+ GPUs (`torch`, scaled_mm, without the
+    triton package), the reference elsewhere.
 
     fbgemm and torchao are used only when asked for (argument or FP8KIT_BACKEND); asking for one whose package
     (triton included) does not import raises Fp8kitError naming the package. available_backends() says what this machine runs."""

@@ -118,7 +118,7 @@ class GRPOConfig:
         if self.output_dir is not None:  # stored as str: the checkpoint's trainer_state.json holds the config
             if not isinstance(self.output_dir, (str, os.PathLike)):
                 raise Fp8kitError(f"output_dir={self.output_dir!r}: expected a folder path (str or pathlib.Path)")
-            self.output_dir = os.fspath(self.output_dir)
+            self.output_dir = os.path.expanduser(os.fspath(self.output_dir))  # '~/runs', as TrainingArguments
             check_output_dir(self.output_dir)
         if self.save_steps and not self.output_dir:
             raise Fp8kitError("save_steps needs output_dir")
@@ -203,13 +203,17 @@ def _reward_value(v) -> float:
     is a bug."""
     if v is None:
         return float("nan")
-    if isinstance(v, torch.Tensor):
-        if v.dim() == 0 and not v.is_complex():
-            return float(v)
+    if isinstance(v, torch.Tensor):  # one number, 0-d or [1] (a row of a [n, 1] column)
+        if v.numel() == 1 and not v.is_complex():
+            return float(v.reshape(()))
         raise TypeError(f"a tensor of shape {tuple(v.shape)}")
+    if type(v).__module__ == "numpy" and type(v).__name__ == "ndarray":
+        if v.size == 1 and v.dtype.kind in "biuf":
+            return float(v.reshape(()))
+        raise TypeError(f"an ndarray of shape {v.shape} and dtype {v.dtype}")
     if isinstance(v, (bool, numbers.Real)) or type(v).__module__ == "numpy" and type(v).__name__ in ("bool", "bool_"):
         return float(v)
-    raise TypeError(f"{type(v).__name__} {v!r:.30}")
+    raise TypeError(f"{type(v).__name__} {' '.join(repr(v).split())!s:.30}")
 
 
 def _rewards(reward_funcs, weights, prompts, completions_text, completion_ids, extra) -> tuple[torch.Tensor, dict]:
@@ -218,9 +222,13 @@ def _rewards(reward_funcs, weights, prompts, completions_text, completion_ids, e
     for i, func in enumerate(reward_funcs):
         name = getattr(func, "__name__", i)
         returned = func(prompts=prompts, completions=completions_text, completion_ids=completion_ids, **extra)
+        if isinstance(returned, torch.Tensor) and returned.dim() == 2 and returned.shape[-1] == 1:
+            returned = returned[:, 0]  # a column of rewards, [n, 1]
         if returned is None or isinstance(returned, (str, bytes, dict)) or not hasattr(returned, "__iter__") \
                 or isinstance(returned, torch.Tensor) and returned.dim() != 1:
-            raise Fp8kitError(f"reward function {name} returned {type(returned).__name__} {returned!r:.40}; expected a "
+            shown = (f"of shape {tuple(returned.shape)}" if isinstance(returned, torch.Tensor)
+                     else " ".join(repr(returned).split())[:40])  # one line, whatever the repr
+            raise Fp8kitError(f"reward function {name} returned {type(returned).__name__} {shown}; expected a "
                               f"list of {total.numel()} numbers (None for no reward), one per completion")
         try:  # strings or nested lists: one line, not a torch traceback
             values = torch.tensor([_reward_value(v) for v in returned], dtype=torch.float32)

@@ -276,28 +276,22 @@ def _submodule(model: nn.Module, name: str) -> nn.Module | None:
         return None
 
 
-SAVE_PRETRAINED_OPTIONS = ("is_main_process", "safe_serialization")
-
-
 def _save_pretrained(model: nn.Module, save_directory=None, *args, **kwargs) -> None:
     """model.save_pretrained(folder) for models of load_fp8_model, load_lora_model and load_model: the LoRA adapter in
     PEFT's format (save_adapter), as peft's PeftModel.save_pretrained saves only the adapter; the base is the
-    checkpoint the model came from. Options: is_main_process (False: write nothing, as transformers and peft) and
-    safe_serialization=True; push_to_hub=True and any other option are refused in one line."""
-    usage = ("this model's save_pretrained saves its LoRA adapter in PEFT's format (as peft's PeftModel does) and "
-             "takes a folder, is_main_process and safe_serialization=True")
+    checkpoint the model came from. transformers' Trainer calls it with state_dict= (transformers 5.17,
+    Trainer._save), peft's callers with safe_serialization= or selected_adapters=: those and the other options of
+    the two are taken and change nothing (the adapter is read from the model's own LoRA parameters, always as
+    safetensors), except is_main_process=False, which writes nothing as in both; push_to_hub=True is refused."""
     if args:
-        raise Fp8kitError(f"save_pretrained: {len(args)} positional argument(s) after the folder; {usage}")
+        raise Fp8kitError(f"save_pretrained: {len(args)} positional argument(s) after the folder; pass options by name")
     if kwargs.get("push_to_hub", False) is not False:
         raise Fp8kitError("save_pretrained(push_to_hub=True): fp8kit does not upload; save the adapter with "
                           "save_pretrained(folder), then upload the folder (huggingface_hub's upload_folder)")
-    kwargs.pop("push_to_hub", None)
-    unknown = sorted(set(kwargs) - set(SAVE_PRETRAINED_OPTIONS))
-    if unknown:
-        raise Fp8kitError(f"save_pretrained({unknown[0]}=...): not supported; {usage}")
-    if kwargs.get("safe_serialization", True) is not True:
-        raise Fp8kitError(f"save_pretrained(safe_serialization={kwargs['safe_serialization']!r}): fp8kit writes "
-                          f"adapters as safetensors only, never pickle; drop the option")
+    selected = kwargs.get("selected_adapters")
+    if selected is not None and list(selected) != ["default"]:
+        raise Fp8kitError(f"save_pretrained(selected_adapters={selected!r}): these models carry one adapter, "
+                          f"'default'; drop the option")
     is_main_process = kwargs.get("is_main_process", True)
     if not isinstance(is_main_process, bool):
         raise Fp8kitError(f"save_pretrained(is_main_process={is_main_process!r}): expected True or False")
@@ -338,6 +332,20 @@ def read_config(path: Path):
     scheme = _scheme(qc, str(file))
     del config.quantization_config
     return config, scheme
+
+
+def static_activation_scales(path: Path) -> bool:
+    """Whether the checkpoint quantizes activations with static scales (`tensor-static`, or `activation_scheme:
+    static` in the fp8 format): vLLM uses them, while fp8kit's layers quantize activations dynamically, per token."""
+    try:
+        qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    if qc.get("quant_method") == "fp8":
+        return qc.get("activation_scheme") == "static"
+    groups = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
+    return any(isinstance(g, dict) and isinstance(g.get("input_activations"), dict)
+               and g["input_activations"].get("dynamic") is False for g in groups.values())
 
 
 def load_fp8_model(path_or_name: str | Path, dtype: torch.dtype = torch.bfloat16, lora_rank: int = 16,

@@ -9,7 +9,8 @@ import torch
 
 from fp8kit.errors import Fp8kitError
 from fp8kit.rl.loader import (DEFAULT_SEED, _one_line, check_device, check_seed, load_fp8_model, load_lora_model,
-                               lora_targets, read_config, seed_lora)
+                               lora_targets, read_config, seed_lora,
+                               static_activation_scales)
 from fp8kit.rl.rollout import HFRollout
 from fp8kit.rl.vllm_engine import check_rollout_arguments
 
@@ -64,6 +65,10 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
         _check_tokenizer_files(local)
     path = _checkpoint(str(name), load_in_fp8)
     scheme = read_config(path)[1]
+    if with_vllm and static_activation_scales(path):
+        raise Fp8kitError(f"{path}: static activation scales (tensor-static): vLLM's rollouts would quantize with "
+                          f"them while the trainer quantizes per token, so their log-probabilities would disagree; "
+                          f"for GRPO convert with --scheme tensor or dynamic")
     tokenizer = _tokenizer(path)  # before any weight is read or vLLM starts
     lora = dict(lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules)
     if with_vllm:
