@@ -50,4 +50,13 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"{r['scheme']:<14} {r['format']:<19} {r['size_mb']:>8.2f} {r['weight_err']:>10.4f} "
                      f"{r['kl']:>10.2e} {r['top1']:>6.3f} {r['seconds']:>9.3f}")
+    if any(r["format"] == "fp8" for r in rows):
+        lines += ["", FP8_FORMAT_NOTE]
     return "\n".join(lines)
+
+
+# transformers (5.17) loads compressed-tensors checkpoints with dynamic FP8 activation quantization, as vLLM runs
+# them, but its CPU path for the fp8 format only dequantizes the weights: that row's KL is lower for that reason
+FP8_FORMAT_NOTE = ("Rows are loaded with transformers: compressed-tensors rows quantize activations to FP8 as vLLM "
+                   "does, the fp8-format row (CPU)\nkeeps activations in BF16, so its KL and top-1 measure the "
+                   "weights alone and are not comparable with the other rows.")

@@ -119,7 +119,8 @@ def logit_drift(ref_logits: torch.Tensor, logits: torch.Tensor) -> dict[str, flo
     """Mean per-token KL(ref || fp8) in nats, and top-1 agreement, over all positions."""
     ref = ref_logits.double().log_softmax(-1)
     got = logits.double().log_softmax(-1)
-    kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
+    # a token both models give -inf contributes 0 (0 * log 0/0), not 0 * NaN
+    kl = torch.where(torch.isneginf(ref), 0.0, ref.exp() * (ref - got)).sum(-1).mean().item()
     top1 = (ref.argmax(-1) == got.argmax(-1)).double().mean().item()
     return {"kl": kl, "top1": top1}
 
