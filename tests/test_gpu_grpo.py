@@ -69,10 +69,15 @@ def test_block_model_with_source_precision_mlp_trains_lora_there_with_vllm(tmp_p
     src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=0, intermediate_size=320)
     add_tokenizer(src, DEFAULT_CALIBRATION.read_text(), 400)
     convert(src, tmp_path / "block", scheme="block")
-    model, tok = load_model(tmp_path / "block", load_in_fp8="block", max_seq_length=64, lora_rank=8,
+    model, tok = load_model(tmp_path / "block", load_in_fp8="block", max_seq_length=64, lora_rank=8, seed=5,
                             vllm_kwargs={"kv_cache_memory_bytes": 256 << 20, "enforce_eager": True})
     engine = model.rollout_engine
     assert engine.name == "vllm"
+    # the seed reaches the model built on vLLM's weights: the same LoRA A as the CPU loader draws
+    from fp8kit.rl.loader import load_fp8_model
+
+    cpu = lora_modules(load_fp8_model(tmp_path / "block", torch.bfloat16, lora_rank=8, seed=5))
+    assert all(torch.equal(m.lora_A.cpu(), cpu[n].lora_A) for n, m in lora_modules(model).items())
     mlp = {n: m for n, m in lora_modules(model).items() if ".mlp." in n}
     assert mlp and all(isinstance(m, LoRALinear) for m in mlp.values()), sorted(lora_modules(model))
     vllm_storage = storage_pointers(engine.vllm_model)

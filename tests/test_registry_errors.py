@@ -374,3 +374,19 @@ def test_pinned_cache_rm_never_deletes_behind_a_link(tmp_path, pinned_hub, linke
     CliRunner().invoke(main, ["cache", "rm", "me/tiny@main"])
     kept = elsewhere / entry.name if linked == "commit" else elsewhere / COMMIT / entry.name
     assert (kept / "fp8kit-entry.json").exists()
+
+
+def test_pinned_cache_rm_leaves_an_entry_a_conversion_holds(pinned_hub):
+    """The pinned form deleted a finished entry without its lock, under a conversion rebuilding it; like the
+    unpinned form it now leaves it and says so in one line."""
+    from filelock import FileLock
+
+    from fp8kit.registry.cache import cached_conversion
+
+    entry = cached_conversion("me/tiny@main", "dynamic")
+    with FileLock(entry.parent / (entry.name + ".lock")):
+        result = CliRunner().invoke(main, ["cache", "rm", "me/tiny@main"])
+        assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert f"{entry}: a conversion is running there" in result.stderr and entry.is_dir()
+    result = CliRunner().invoke(main, ["cache", "rm", "me/tiny@main"])
+    assert result.exit_code == 0 and not entry.exists(), result.output

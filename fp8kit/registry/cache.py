@@ -134,16 +134,16 @@ def check_upload(path: Path, answer) -> None:
         qc = json.loads((path / "config.json").read_text()).get("quantization_config")
     except (OSError, ValueError, AttributeError) as e:
         raise Fp8kitError(f"{answer.repo_id}: its config.json cannot be read ({e}); the upload is broken") from e
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
     if not isinstance(qc, dict):
         found = "no quantization_config"
-    elif answer.format == "torchao" or qc.get("quant_method") == "torchao":
-        found = "torchao (torchao)" if qc.get("quant_method") == "torchao" else f"{qc.get('quant_method')!r}"
+    elif method == "torchao":
+        found = "torchao (torchao)"
     else:
-        fmt = qc.get("quant_method")
         try:
-            found = f"{scheme_of(qc)} ({fmt})"
-        except (Fp8kitError, KeyError, TypeError, AttributeError):
-            found = f"a quantization_config fp8kit does not read (quant_method {fmt!r})"
+            found = f"{scheme_of(qc)} ({method})"
+        except Fp8kitError:
+            found = f"a quantization_config fp8kit does not read (quant_method {method!r})"
     if found != listed:
         raise Fp8kitError(f"{answer.repo_id}: {where} lists it as {listed}, but its config.json declares {found}; "
                           f"fix or remove that entry, or convert the base model yourself (fp8kit resolve prints how)")
@@ -385,7 +385,10 @@ def remove(name: str | None = None) -> list[Path]:
             # never through a link: like an unpinned rm, what a linked folder points to is not ours to delete
             entries = [e for e in entries if not (e.is_symlink() or e.parent.is_symlink()
                                                   or e.parent.parent.is_symlink())]
-            return _remove_unfinished_of_revision(name, {e.parent for e in entries}) + _remove_entries(entries)
+            unfinished = _remove_unfinished_of_revision(name, {e.parent for e in entries})
+            removed, busy = _remove_entries(entries)
+            _refuse_busy(busy, unfinished + removed)
+            return unfinished + removed
         recorded = {Path(row["path"]).parent.parent for row in list_entries() if row["name"] == recorded_as}
         targets = [p for p in ours if p == model_dir(name) or p in recorded]
     else:
@@ -395,11 +398,16 @@ def remove(name: str | None = None) -> list[Path]:
     if name and model_dir(name).is_symlink():  # a model folder linked from elsewhere: the link goes, not its target
         model_dir(name).unlink()
         removed.append(model_dir(name))
+    _refuse_busy(busy, removed)
+    return removed
+
+
+def _refuse_busy(busy: list[Path], removed: list[Path]) -> None:
+    """A folder left because a conversion holds its entry lock: one error line, after the others were removed."""
     if busy:
         done = f"; removed {len(removed)} other folder(s)" if removed else ""
         raise Fp8kitError(f"{busy[0]}: a conversion is running there (its entry lock is held); run the same `cache rm` "
                           f"again once it has finished{done}")
-    return removed
 
 
 ENTRY_LOCKS = "*-fp8kit*.lock"  # `{entry_name}.lock`, as cached_conversion() and entry_lock() name them
@@ -463,18 +471,31 @@ def _remove_unfinished_of_revision(name: str, commits: set[Path]) -> list[Path]:
     return removed
 
 
-def _remove_entries(entries: list[Path]) -> list[Path]:
-    """Delete these entries with their locks and unfinished folders, then their commit and model folders once
-    nothing else is left in them."""
+def _remove_entries(entries: list[Path]) -> tuple[list[Path], list[Path]]:
+    """Delete these entries with their locks and unfinished folders, each under its entry lock taken without waiting
+    (one a conversion holds is left: the second list), then their commit and model folders once nothing else is left
+    in them."""
+    removed, busy = [], []
     for entry in entries:
-        for unfinished in _unfinished_of(entry):
-            shutil.rmtree(unfinished, ignore_errors=True)
-        shutil.rmtree(entry)
-        (entry.parent / (entry.name + ".lock")).unlink(missing_ok=True)
-    for folder in {e.parent for e in entries} | {e.parent.parent for e in entries}:
+        lock_path = entry.parent / (entry.name + ".lock")
+        lock = FileLock(lock_path)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            busy.append(entry)
+            continue
+        try:
+            for unfinished in _unfinished_of(entry):
+                shutil.rmtree(unfinished, ignore_errors=True)
+            shutil.rmtree(entry)
+            lock_path.unlink(missing_ok=True)
+        finally:
+            lock.release()
+        removed.append(entry)
+    for folder in {e.parent for e in removed} | {e.parent.parent for e in removed}:
         for f in sorted([folder, *folder.glob("*")], key=lambda p: -len(p.parts)):  # commit folders first
             try:
                 f.rmdir()
             except OSError:
                 pass
-    return entries
+    return removed, busy

@@ -9,8 +9,7 @@ import torch
 
 from fp8kit.errors import Fp8kitError
 from fp8kit.rl.loader import (DEFAULT_SEED, _one_line, check_device, check_seed, load_fp8_model, load_lora_model,
-                               lora_targets, read_config, seed_lora,
-                               static_activation_scales)
+                               lora_targets, read_config, static_activation_scales)
 from fp8kit.rl.rollout import HFRollout
 from fp8kit.rl.vllm_engine import check_rollout_arguments
 
@@ -77,10 +76,7 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
         engine = VLLMRollout(path, dtype=dtype, max_seq_length=max_seq_length,
                              gpu_memory_utilization=gpu_memory_utilization, lora_rank=lora_rank,
                              target_modules=target_modules, **(vllm_kwargs or {}))
-        model = engine.training_model(scheme, dtype, backend=backend, **lora)
-        if lora_rank and seed != DEFAULT_SEED:  # training_model initialised LoRA from the default seed
-            seed_lora(model, seed)
-            engine.sync_lora(model)
+        model = engine.training_model(scheme, dtype, backend=backend, seed=seed, **lora)
     else:
         if scheme:
             model = load_fp8_model(path, dtype, device=device, backend=backend, seed=seed, **lora)

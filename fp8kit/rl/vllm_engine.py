@@ -198,11 +198,13 @@ class VLLMRollout:
         self.asleep = False
 
     def training_model(self, scheme: str | None, dtype: torch.dtype, lora_rank: int = 32,
-                       lora_alpha: float | None = None, target_modules=None, backend: str | None = None) -> nn.Module:
-        """The transformers model assembled on views of vLLM's weights, LoRA attached and registered with vLLM."""
+                       lora_alpha: float | None = None, target_modules=None, backend: str | None = None,
+                       seed: int | None = None) -> nn.Module:
+        """The transformers model assembled on views of vLLM's weights, LoRA attached (A drawn from `seed`, default
+        the loaders') and registered with vLLM."""
         from transformers import AutoConfig
 
-        from fp8kit.rl.loader import assemble
+        from fp8kit.rl.loader import DEFAULT_SEED, assemble
 
         config = AutoConfig.from_pretrained(self.path)
         if hasattr(config, "quantization_config"):
@@ -210,7 +212,8 @@ class VLLMRollout:
         targets = set(target_modules or self.target_modules)
         before = torch.cuda.memory_allocated()
         model = assemble(config, shared_tensors(self.vllm_model, config, scheme), scheme, dtype, lora_rank, lora_alpha,
-                         targets, 0.0, backend, f"vLLM engine for {self.path}")
+                         targets, 0.0, backend, f"vLLM engine for {self.path}",
+                         seed=DEFAULT_SEED if seed is None else seed)
         model.to("cuda")  # moves only what is not vLLM's already: the rotary tables built on the CPU
         self.trainer_allocated_bytes = torch.cuda.memory_allocated() - before  # LoRA and rotary tables only
         if lora_rank:
