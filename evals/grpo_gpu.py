@@ -12,11 +12,11 @@ lowest 1/32 of the vocabulary: a random model starts near 0.03 and LoRA can rais
 
 Variants: bf16, fp8, fp8-kv8 (FP8 KV cache of the same token capacity), fp8-nocasts (vLLM's default Inductor
 settings, which drop the BF16 rounding before FP8 activation quantization that the runtime keeps; see
-engine_kwargs), fp8-f32acc (the trainer's FP8 GEMMs promote to float32, FP8KIT_FAST_ACCUM=0, where vLLM's do not);
-each takes `+mbtN` for N tokens per vLLM forward pass and `+gpuN` for a budget of N GiB in which vLLM sizes the KV
-cache (split_variant; every run records the KV-cache tokens). --trace-step N reports what held the memory at the
-peaks of step N's generation and training (evals/memory_trace.py). One run's rollout ratio is one draw of a host
-whose CPU speed drifts: evals/rollout_rounds.py pools several runs (--standalone-settings runtime adds a standalone
+engine_kwargs), fp8-f32acc (the trainer's FP8 GEMMs promote to float32, FP8KIT_FAST_ACCUM=0, where vLLM's do not),
+fp8-fp8bwd (the trainer's input gradients are FP8 GEMMs too, FP8KIT_FP8_BACKWARD=1); each takes `+mbtN` for N
+tokens per vLLM forward pass and `+gpuN` for a budget of N GiB in which vLLM sizes the KV cache (split_variant; every run records the
+KV-cache tokens). --trace-step N reports what held the memory at the peaks of step N's generation and training
+(evals/memory_trace.py). One run's rollout ratio is one draw of a host whose CPU speed drifts: evals/rollout_rounds.py pools several runs (--standalone-settings runtime adds a standalone
 engine with the runtime's own vLLM arguments).
 
     python evals/grpo_gpu.py --variants fp8,bf16 --steps 8 --out evals/results/grpo_gpu.json
@@ -56,7 +56,7 @@ SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=4096, max_position_embeddings=1024, tie_word_embeddings=False),
 }
-BASE_VARIANTS = ("bf16", "fp8", "fp8-kv8", "fp8-nocasts", "fp8-f32acc")
+BASE_VARIANTS = ("bf16", "fp8", "fp8-kv8", "fp8-nocasts", "fp8-f32acc", "fp8-fp8bwd")
 WORKLOAD = dict(prompts_per_step=16, num_generations=8, prompt_tokens=128, max_completion_length=256)
 LORA_RANK = 32
 KV_CACHE_BYTES = 2 << 30
@@ -368,6 +368,8 @@ def run_variant(args) -> dict:
     base, _ = split_variant(args.variant)
     if base == "fp8-f32acc":  # read by every FP8LoRALinear that load_model builds
         os.environ["FP8KIT_FAST_ACCUM"] = "0"
+    if base == "fp8-fp8bwd":
+        os.environ["FP8KIT_FP8_BACKWARD"] = "1"
     torch.zeros(1, device="cuda")  # the CUDA context, before anything is loaded
     snapshots = {"context_only": memory_snapshot()}
     t0 = time.perf_counter()

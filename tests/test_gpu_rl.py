@@ -67,17 +67,36 @@ def test_fp8_backward_matches_reference(scheme, backend, fast_accum):
     _matches_reference(scheme, backend, fp8_backward=True, fast_accum=fast_accum)
 
 
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_backward_scales_with_tiny_output_gradients(scheme, backend):
+    """GRPO's output gradients are 1e-7 and below: the FP8 input gradient of g * 2^-30 is that of g times 2^-30
+    (a power of two: bf16 and every FP8 scale shift exactly, so the codes must be the same)."""
+    m = layer(scheme, backend, fp8_backward=True)
+    x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
+    up = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for magnitude in (1.0, 2.0 ** -30):
+        xx = x.clone().requires_grad_()
+        m(xx).backward(up * magnitude)
+        grads.append(xx.grad.float() / magnitude)
+    err = float((grads[1] - grads[0]).norm() / grads[0].norm())
+    assert err < 1e-3, err
+
+
 @pytest.mark.parametrize("scheme", ["dynamic", "block"])
 def test_triton_grad_quantizer_and_transpose_write_torch_bytes(scheme):
-    from fp8kit.rl.fp8_linear import quantize_grad
+    from fp8kit.rl.fp8_linear import GRAD_MIN_SCALE, quantize_grad
     from fp8kit.rl.triton_quant import quantize_activation_triton, transpose_fp8
 
-    g = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
     ws = torch.rand(1024, 1, device="cuda") * 1e-3
     col = None if scheme == "block" else ws.reshape(-1)
-    q1, s1 = quantize_activation_triton(g, scheme, col)
-    q2, s2 = quantize_grad(g, ws, scheme)
-    assert torch.equal(s1, s2) and torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
+    for magnitude in (1.0, 1e-9):  # GRPO's output gradients are tiny: no activation floor on their scales
+        g = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16) * magnitude
+        q1, s1 = quantize_activation_triton(g, scheme, col, GRAD_MIN_SCALE)
+        q2, s2 = quantize_grad(g, ws, scheme)
+        assert torch.equal(s1, s2) and torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
+        assert q1.float().abs().amax() == 448.0
     w = (torch.randn(384, 200, device="cuda") * 50).to(torch.float8_e4m3fn)  # sizes that are not tile multiples
     assert torch.equal(transpose_fp8(w).view(torch.uint8), w.t().contiguous().view(torch.uint8))
 

@@ -504,6 +504,28 @@ def test_fp8_backward_is_the_fp8_product_of_the_quantized_gradient(scheme):
     assert torch.allclose(grads[True][1], grads[False][1]) and torch.allclose(grads[True][2], grads[False][2])
 
 
+@pytest.mark.parametrize("scheme,backend", [("dynamic", "reference"), ("block", "reference"), ("tensor", "reference"),
+                                            ("dynamic", "torch"), ("tensor", "torch")])  # torch's block GEMM: GPU
+def test_fp8_backward_keeps_tiny_output_gradients(scheme, backend):
+    """A GRPO loss averages over every completion token, so output gradients of 1e-7 and below are usual. The
+    FP8 input gradient must scale with them: vLLM's floor for activation scales (MIN_SCALE) once flattened
+    them to zero and a few subnormal codes, and GRPO's gradient norm fell tenfold on an H100
+    (evals/results/grpo_gpu_h100_1b_fp8bwd_before_fix.json). Against float64 of the dequantized weight."""
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+
+    g = torch.Generator().manual_seed(7)
+    w_q, w_s = quantize_weight(torch.randn(256, 384, generator=g) * 0.05, SCHEMES[scheme], torch.float32)
+    exact = None
+    up = torch.randn(15, 256, generator=g, dtype=torch.float64)
+    for magnitude in (1.0, 1e-7, 1e-12):
+        layer = FP8LoRALinear(w_q, w_s, scheme, rank=0, dtype=torch.float32, backend=backend, fp8_backward=True)
+        x = torch.randn(15, 384, generator=torch.Generator().manual_seed(8)).requires_grad_()
+        (layer(x) * (up * magnitude).float()).sum().backward()
+        exact = up @ dequantize_weight(w_q, w_s, scheme, torch.float64)
+        err = float((x.grad.double() / magnitude - exact).norm() / exact.norm())
+        assert err < 0.04, (magnitude, err)  # e4m3's rounding of the gradient, at every magnitude
+
+
 @pytest.mark.parametrize("fp8_backward", [False, True])
 @pytest.mark.parametrize("scheme", ["dynamic", "block"])
 def test_compiles_to_the_eager_function(scheme, fp8_backward):

@@ -27,6 +27,10 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for dynamic activation scales (fp8_utils)
+# Output gradients are far smaller than activations (a GRPO loss averages over every completion token: rows of
+# 1e-6 and below are usual), so vLLM's floor would quantize them to zero or to a few subnormal codes; theirs only
+# keeps the scale a normal float32. (torchao's float8 training floors amax at 1e-12, float8_utils.EPS.)
+GRAD_MIN_SCALE = torch.finfo(torch.float32).tiny
 # reference: dequantize and multiply (any device, the CPU path); torch: torch's scaled_mm GEMMs with the
 # activation quantized by torch ops (fused by torch.compile into its neighbours); triton: the same GEMMs with
 # the activation quantized by one fused Triton kernel, eager or compiled; fbgemm, torchao: those libraries' GEMMs
@@ -35,7 +39,8 @@ LIBRARY_BACKENDS = kernel_backends.LIBRARY_BACKENDS
 BACKENDS = ("reference", "torch", "triton", *LIBRARY_BACKENDS)
 
 
-def quantize_activation(x: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(x: torch.Tensor, scheme: str,
+                        min_scale: float = MIN_SCALE) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8 [M, K], float32 scale): [M, 1] per token for per-channel and per-tensor weights (as
     vLLM does for dynamic activations whatever the weight strategy), [M, K/128] per group for block weights."""
     xf = x.float()
@@ -43,7 +48,7 @@ def quantize_activation(x: torch.Tensor, scheme: str) -> tuple[torch.Tensor, tor
         scale = xf.reshape(x.shape[0], -1, GROUP).abs().amax(dim=2) / FP8_MAX
     else:
         scale = xf.abs().amax(dim=1, keepdim=True) / FP8_MAX
-    scale = scale.clamp_min(MIN_SCALE)
+    scale = scale.clamp_min(min_scale)
     if scheme == "block":
         q = (xf.reshape(x.shape[0], -1, GROUP) / scale[:, :, None]).reshape(x.shape)
     else:
@@ -137,8 +142,8 @@ def quantize_grad(g: torch.Tensor, weight_scale: torch.Tensor, scheme: str) -> t
     transposed weight. Per-channel and per-tensor: the weight's scale lies along this GEMM's reduction dimension,
     where a row-wise GEMM cannot apply it, so it is multiplied into g (float32) and g * scale is quantized per row."""
     if scheme == "block":
-        return quantize_activation(g, "block")
-    return quantize_activation(g.float() * weight_scale.float().reshape(1, -1), "dynamic")
+        return quantize_activation(g, "block", GRAD_MIN_SCALE)
+    return quantize_activation(g.float() * weight_scale.float().reshape(1, -1), "dynamic", GRAD_MIN_SCALE)
 
 
 def fp8_input_grad(gq: torch.Tensor, gs: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, scheme: str,
@@ -262,8 +267,9 @@ def _quantize_output_grad(g2: torch.Tensor, weight_scale: torch.Tensor, scheme: 
     if fused is None:
         return quantize_grad(g2, weight_scale, scheme)
     if scheme == "block":
-        return fused(g2.contiguous(), "block")
-    return fused(g2.contiguous(), "dynamic", weight_scale.float().reshape(-1).expand(g2.shape[1]).contiguous())
+        return fused(g2.contiguous(), "block", None, GRAD_MIN_SCALE)
+    return fused(g2.contiguous(), "dynamic", weight_scale.float().reshape(-1).expand(g2.shape[1]).contiguous(),
+                 GRAD_MIN_SCALE)
 
 
 class _FP8MatMul(torch.autograd.Function):

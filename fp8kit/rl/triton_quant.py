@@ -46,10 +46,11 @@ def _quantize_row_groups(x_ptr, q_ptr, s_ptr, stride_x, K, n_groups, GROUP_SIZE:
     tl.store(s_ptr + row * n_groups + g, scale, mask=g < n_groups)
 
 
-def quantize_activation_triton(x: torch.Tensor, scheme: str,
-                               col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation_triton(x: torch.Tensor, scheme: str, col_scale: torch.Tensor | None = None,
+                               min_scale: float = MIN_SCALE) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token ("dynamic") or per 1x128 group ("block") for a 2-D CUDA tensor; per token optionally of
-    x * col_scale (float32 [K]), for the input gradient of a per-channel weight."""
+    x * col_scale (float32 [K]), for the input gradient of a per-channel weight. min_scale: the scales' floor
+    (fp8_linear.GRAD_MIN_SCALE for output gradients)."""
     M, K = x.shape
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     if scheme == "block":
@@ -58,29 +59,29 @@ def quantize_activation_triton(x: torch.Tensor, scheme: str,
         n_groups, groups = K // GROUP, 8
         s = torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
         _quantize_row_groups[(M, triton.cdiv(n_groups, groups))](x, q, s, x.stride(0), K, n_groups, GROUP_SIZE=GROUP,
-                                                                 GROUPS=groups, FMAX=FP8_MAX, SMIN=MIN_SCALE)
+                                                                 GROUPS=groups, FMAX=FP8_MAX, SMIN=min_scale)
         return q, s
     s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(K)
     # a whole row per program (up to 16384 values): more warps for wider rows
     _quantize_rows[(M,)](x, s if col_scale is None else col_scale, q, s, x.stride(0), K, BLOCK=block,
-                         HAS_COL=col_scale is not None, FMAX=FP8_MAX, SMIN=MIN_SCALE,
+                         HAS_COL=col_scale is not None, FMAX=FP8_MAX, SMIN=min_scale,
                          num_warps=min(16, max(4, block // 1024)))
     return q, s
 
 
 @torch.library.custom_op("fp8kit::quantize_activation", mutates_args=())
-def quantize_activation_op(x: torch.Tensor, scheme: str,
-                           col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation_op(x: torch.Tensor, scheme: str, col_scale: torch.Tensor | None = None,
+                           min_scale: float = MIN_SCALE) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_activation_triton as one opaque operator, so that torch.compile calls this single-pass kernel
     instead of fusing torch's quantization ops into the neighbouring kernels. Against Inductor's fusion (the torch
     backend, compiled) the LoRA bench's step takes the same time and 0.40 GB less peak memory on an H100
     (evals/results/fp8_lora.json, dynamic/triton/fp8bwd+compile against dynamic/torch/fp8bwd+compile)."""
-    return quantize_activation_triton(x.contiguous(), scheme, col_scale)
+    return quantize_activation_triton(x.contiguous(), scheme, col_scale, min_scale)
 
 
 @quantize_activation_op.register_fake
-def _(x, scheme, col_scale=None):
+def _(x, scheme, col_scale=None, min_scale=MIN_SCALE):
     M, K = x.shape
     scales = K // GROUP if scheme == "block" else 1
     return (x.new_empty((M, K), dtype=torch.float8_e4m3fn), x.new_empty((M, scales), dtype=torch.float32))
