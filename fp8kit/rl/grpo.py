@@ -247,7 +247,7 @@ def _rewards(reward_funcs, weights, prompts, completions_text, completion_ids, e
 
 
 def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict,
-                    step: int, config: GRPOConfig) -> Path:
+                    step: int, config: GRPOConfig, scaler: torch.amp.GradScaler | None = None) -> Path:
     """The adapter in PEFT's format plus the float32 master weights and AdamW's state (safetensors, never
     pickle) and the step, written into a temporary folder and renamed: a run killed mid-save leaves the previous
     checkpoint intact."""
@@ -266,13 +266,17 @@ def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
     with atomic_directory(directory.resolve(), overwrite=True) as tmp:
         write_adapter(model, tmp)  # base_model_name_or_path: the model's name
         save_file(tensors, tmp / OPTIMIZER_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "optimizer_steps": steps, "config": asdict(config)},
+        grad_scaler = scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "optimizer_steps": steps, "config": asdict(config),
+                                                  **({"grad_scaler": grad_scaler} if grad_scaler else {})},
                                                  indent=2) + "\n")
     return directory
 
 
-def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict) -> int:
-    """Adapter, master weights and AdamW state back in place; returns the step the checkpoint was written after."""
+def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict,
+                    scaler: torch.amp.GradScaler | None = None) -> int:
+    """Adapter, master weights, AdamW state and float16's loss scale back in place; returns the step the checkpoint
+    was written after."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -295,6 +299,8 @@ def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
             optimizer.state[master] = {"step": torch.tensor(state["optimizer_steps"][name]),
                                        "exp_avg": tensors[f"{name}.exp_avg"].to(master.device),
                                        "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(master.device)}
+    if scaler is not None and scaler.is_enabled() and state.get("grad_scaler"):
+        scaler.load_state_dict(state["grad_scaler"])
     return int(state["step"])
 
 
@@ -370,9 +376,14 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     masters = {n: p if p.dtype == torch.float32 else p.detach().float().clone() for n, p in trainable.items()}
     optimizer = torch.optim.AdamW(list(masters.values()), lr=config.learning_rate, betas=config.adam_betas,
                                   weight_decay=config.weight_decay)
+    # float16 has 5 exponent bits: a GRPO loss averages over every completion token, and its gradients (1e-7 and
+    # below per element) fall under float16's smallest normal (6e-5) and flush to zero. Dynamic loss scaling as
+    # transformers' Trainer does for fp16 (torch.amp.GradScaler: x2^16 to start, halved on an overflow, whose step
+    # is skipped); bf16 and float32 have float32's exponent range and need none.
+    scaler = torch.amp.GradScaler(params[0].device.type, enabled=params[0].dtype == torch.float16)
     start = 0
     if resume is not None:
-        start = load_checkpoint(resume, model, optimizer, masters)
+        start = load_checkpoint(resume, model, optimizer, masters, scaler)
         rollout.sync_lora(model)
     if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -381,7 +392,8 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     for m, attr, _ in dropouts:
         setattr(m, attr, 0.0)
     try:
-        return _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, masters, trainable, start, on_step)
+        return _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, scaler, masters, trainable,
+                      start, on_step)
     finally:
         for m, attr, p in dropouts:
             setattr(m, attr, p)
@@ -399,7 +411,8 @@ def _dropouts(model: nn.Module) -> list[tuple[nn.Module, str, float]]:
     return found
 
 
-def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, masters, trainable, start, on_step):
+def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, scaler, masters, trainable, start,
+           on_step):
     device = next(iter(trainable.values())).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     n = config.num_generations
@@ -453,7 +466,7 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, mas
             # rows for the per-sequence means (grpo, gspo) and dr_grpo's fixed denominator
             share = (mask.sum().clamp_min(1).item() / total_tokens if config.loss_type == "dapo"
                      else len(idx) / len(completions))
-            (out.loss * share).backward()
+            scaler.scale(out.loss * share).backward()
             stats["loss"] += out.loss.item() * share
             # the logged token means are the batch's whatever the loss's weighting and the micro-batching (gspo's
             # clip ratio counts sequences)
@@ -468,10 +481,13 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, mas
             if masters[name] is not p:
                 masters[name].grad = None if p.grad is None else p.grad.float()
                 p.grad = None
+        loss_scale = scaler.get_scale() if scaler.is_enabled() else None
+        scaler.unscale_(optimizer)  # the masters' float32 gradients, before clipping sees them
         grad_norm = torch.nn.utils.clip_grad_norm_(list(masters.values()), config.max_grad_norm).item()
         skipped = not math.isfinite(grad_norm)  # an fp16 overflow: keep the adapter, drop this step's update
         if not skipped:
-            optimizer.step()
+            scaler.step(optimizer)
+        scaler.update()  # float16: halves the scale after an overflow, doubles it after 2000 clean steps
         optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for name, p in trainable.items():
@@ -493,9 +509,12 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, mas
                    "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
         if not config.importance_sampling:
             del metrics["is_weight_mean"]
+        if loss_scale is not None:
+            metrics["loss_scale"] = loss_scale
         history.append(metrics)
         if on_step is not None:
             on_step(metrics)
         if config.save_steps and step % config.save_steps == 0:
-            save_checkpoint(Path(config.output_dir) / f"checkpoint-{step}", model, optimizer, masters, step, config)
+            save_checkpoint(Path(config.output_dir) / f"checkpoint-{step}", model, optimizer, masters, step, config,
+                            scaler)
     return history
