@@ -158,6 +158,14 @@ def test_an_fp8kit_repo_of_another_base_model_needs_force(tmp_path, hub, src):
     hub.add_repo("tester/Bar-FP8-Dynamic", {"fp8kit.json": json.dumps({"base_model": "ORG-A/bar"}).encode()})
     proc = publish(tmp_path, hub, src, "--base-model", "org-a/Bar", "--scheme", "dynamic", "--json")
     assert proc.returncode == 0 and results(proc)["tester/Bar-FP8-Dynamic"]["status"] == "uploaded", proc.stdout
+    # provenance that does not parse tells nothing about the weights: as a repo without one, --force to replace
+    hub.add_repo("tester/Baz-FP8-Dynamic", {"fp8kit.json": b"{not json", "model.safetensors": b"someone's weights"})
+    args = [src, "--base-model", "org-a/Baz", "--scheme", "dynamic", "--json"]
+    proc = publish(tmp_path, hub, *args)
+    error = results(proc)["tester/Baz-FP8-Dynamic"]["error"]
+    assert proc.returncode == 1 and "fp8kit.json is not readable JSON" in error and "--force" in error, error
+    assert hub.file("tester/Baz-FP8-Dynamic", "model.safetensors") == b"someone's weights"
+    assert publish(tmp_path, hub, *args, "--force").returncode == 0
 
 
 def test_max_kl_rejects_and_plan_goes_on_past_failures(tmp_path, hub, src):

@@ -375,8 +375,9 @@ def _check_remote_base(api, repo_id: str, folder: Path) -> None:
     ours = json.loads((folder / PROVENANCE).read_text()).get("base_model")
     try:
         theirs = json.loads(Path(_with_retries(lambda: api.hf_hub_download(repo_id, PROVENANCE))).read_text())
-    except ValueError:  # unreadable provenance: no base to compare
-        return
+    except ValueError as e:  # whose weights it holds cannot be told: as for a repo without provenance
+        raise Fp8kitError(f"{repo_id}: its {PROVENANCE} is not readable JSON ({e}), so which model it holds cannot be "
+                          f"checked; pass --force to upload into it") from e
     base = theirs.get("base_model") if isinstance(theirs, dict) else None
     if isinstance(base, str) and base.lower() != str(ours).lower():
         raise Fp8kitError(f"{repo_id}: holds fp8kit's FP8 variant of {base} (its {PROVENANCE}), not of {ours}; "
