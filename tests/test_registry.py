@@ -117,17 +117,9 @@ def test_auto_follows_the_machine(monkeypatch):
     assert resolve("meta-llama/Llama-3.2-3B", "auto").repo_id == "unsloth/Llama-3.2-3B-FP8-Block"
 
 
-def test_overlay_takes_precedence(tmp_path):
+def test_overlay_takes_precedence(tmp_path, overlay_text):
     overlay = tmp_path / "overlay.toml"
-    overlay.write_text('''# mine
-[[variant]]
-repo_id = "me/Qwen3-8B-FP8-Dynamic"
-family = "qwen3"
-scheme = "dynamic"
-format = "compressed-tensors"
-serves = ["dynamic"]
-base = ["Qwen/Qwen3-8B"]
-
+    overlay.write_text(overlay_text + '''
 [[variant]]
 repo_id = "unsloth/Llama-3.2-1B-FP8-Block"
 family = "llama-3.2"
@@ -145,7 +137,7 @@ base = ["meta-llama/Llama-3.2-1B"]
     catalog.append_to_overlay(Variant("me/gemma-3-4b-it-FP8-Block", "gemma-3", "block", "compressed-tensors",
                                       ("block",), ("google/gemma-3-4b-it",), "overlay"))
     assert resolve("google/gemma-3-4b-it", "block").repo_id == "me/gemma-3-4b-it-FP8-Block"
-    assert overlay.read_text().startswith("# mine")
+    assert overlay.read_text().startswith(overlay_text)
 
 
 @pytest.mark.parametrize("text,line,needle", [

@@ -10,16 +10,6 @@ from click.testing import CliRunner
 from fp8kit.cli import main
 from fp8kit.registry import load
 
-OVERLAY = '''# my uploads
-[[variant]]
-repo_id = "me/Qwen3-8B-FP8-Dynamic"
-family = "qwen3"
-scheme = "dynamic"
-format = "compressed-tensors"
-serves = ["dynamic"]
-base = ["Qwen/Qwen3-8B"]
-'''
-
 APPEND = """
 import resource, sys
 from fp8kit.errors import Fp8kitError
@@ -40,21 +30,21 @@ def isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("FP8KIT_CACHE", str(tmp_path / "fp8cache"))
 
 
-def test_overlay_write_that_runs_out_of_space_leaves_the_file_whole(tmp_path):
+def test_overlay_write_that_runs_out_of_space_leaves_the_file_whole(tmp_path, overlay_text):
     overlay = tmp_path / "overlay.toml"
-    overlay.write_text(OVERLAY)
+    overlay.write_text(overlay_text)
     # Files may grow to 20 bytes past the overlay's size: the new entry does not fit (a disk filling up).
-    proc = subprocess.run([sys.executable, "-c", APPEND, str(len(OVERLAY) + 20)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", APPEND, str(len(overlay_text) + 20)], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout.startswith(f"{overlay}: cannot write") and len(proc.stdout.strip().splitlines()) == 1
-    assert overlay.read_text() == OVERLAY
+    assert overlay.read_text() == overlay_text
     assert [v.repo_id for v in load() if v.source == "overlay"] == ["me/Qwen3-8B-FP8-Dynamic"]
     assert not list(tmp_path.glob(".overlay.toml.*.tmp"))
 
     proc = subprocess.run([sys.executable, "-c", APPEND, str(1 << 20)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert overlay.read_text().startswith(OVERLAY)
+    assert overlay.read_text().startswith(overlay_text)
     assert [v.repo_id for v in load() if v.source == "overlay"] == ["me/Qwen3-8B-FP8-Dynamic",
                                                                     "me/gemma-3-4b-it-FP8-Block"]
 
@@ -126,10 +116,10 @@ for i in range(15):
 """
 
 
-def test_concurrent_overlay_writers_keep_every_entry(tmp_path):
+def test_concurrent_overlay_writers_keep_every_entry(tmp_path, overlay_text):
     """Publishing jobs in parallel each append their uploads: the lock beside the file serializes the
     read-append-replace, so no writer's entries are lost to another's replace."""
-    (tmp_path / "overlay.toml").write_text(OVERLAY)
+    (tmp_path / "overlay.toml").write_text(overlay_text)
     procs = [subprocess.Popen([sys.executable, "-c", APPEND_MANY, str(w)], stderr=subprocess.PIPE, text=True)
              for w in range(4)]
     errors = [p.communicate(timeout=180)[1] for p in procs]
@@ -146,8 +136,8 @@ def test_registry_list_of_an_unknown_family_is_one_line_naming_the_known_ones():
     assert "gemma-3" in lines[0] and "qwen3" in lines[0] and "llama-3.1" in lines[0]
 
 
-def test_registry_list_knows_the_overlay_s_families(tmp_path):
-    (tmp_path / "overlay.toml").write_text(OVERLAY.replace('family = "qwen3"', 'family = "mine"'))
+def test_registry_list_knows_the_overlay_s_families(tmp_path, overlay_text):
+    (tmp_path / "overlay.toml").write_text(overlay_text.replace('family = "qwen3"', 'family = "mine"'))
     result = CliRunner().invoke(main, ["registry", "list", "--family", "mine"])
     assert result.exit_code == 0 and "me/Qwen3-8B-FP8-Dynamic" in result.stdout
 
