@@ -464,3 +464,18 @@ def test_float16_checkpoint_keeps_the_loss_scale(tiny_fp8, tmp_path):
     assert "loss_scale" not in train(bf16, tok, ["the quick"], reward, GRPOConfig(steps=1, prompts_per_step=1,
                                                                                   num_generations=2,
                                                                                   max_completion_length=4))[0]
+
+
+def test_float16_overflow_skips_the_step_and_halves_the_scale(tiny_fp8, monkeypatch):
+    """A loss scale too large for float16 (2^100 here) overflows: each such step leaves the adapter and AdamW's
+    state as they were and halves the scale for the next."""
+    import functools
+
+    monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(torch.amp.GradScaler, init_scale=2.0 ** 100))
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float16, device="cpu")
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    history = train(model, tok, ["the quick", "lazy dog"], lambda completions, **_: [len(c) / 40 for c in completions],
+                    GRPOConfig(steps=3, prompts_per_step=2, num_generations=4, max_completion_length=6))
+    assert [h["loss_scale"] for h in history] == [2.0 ** 100, 2.0 ** 99, 2.0 ** 98]
+    assert all(h["update_skipped"] and not math.isfinite(h["grad_norm"]) for h in history)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)

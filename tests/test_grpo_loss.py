@@ -82,6 +82,18 @@ def test_identical_rewards_and_single_generation_give_zero_advantage():
     assert group_advantages(torch.tensor([1.0, 3.0]), 1).eq(0).all()
 
 
+@pytest.mark.parametrize("mode", ["group", "batch", "none"])
+@pytest.mark.parametrize("value", [0.7, 10.1, 1000.7, 12345.678, 1e6 + 0.1])
+def test_a_group_of_equal_rewards_gets_exactly_zero(mode, value):
+    """Rewards of any scale (lengths, scores): in float32 the rounded mean of eight 1000.7s left advantages of
+    +-1.2 over the std's 0 + eps, pushing the policy where the group carries no signal."""
+    for g in (2, 3, 6, 7, 8, 16, 64):
+        rewards = torch.cat([torch.full((g,), value), torch.arange(g, dtype=torch.float32)])
+        advantages = group_advantages(rewards, g, scale_rewards=mode)
+        assert advantages.dtype == torch.float32 and torch.equal(advantages[:g], torch.zeros(g)), (g, advantages[:g])
+        assert advantages[g:].abs().min() > 0 or g % 2  # the other group keeps its signal (odd g: a middle 0)
+
+
 def test_advantages_length_must_divide():
     with pytest.raises(ValueError, match="divisible"):
         group_advantages(torch.zeros(5), 2)

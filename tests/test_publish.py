@@ -159,12 +159,15 @@ def test_an_fp8kit_repo_of_another_base_model_needs_force(tmp_path, hub, src):
     proc = publish(tmp_path, hub, src, "--base-model", "org-a/Bar", "--scheme", "dynamic", "--json")
     assert proc.returncode == 0 and results(proc)["tester/Bar-FP8-Dynamic"]["status"] == "uploaded", proc.stdout
     # provenance that does not parse tells nothing about the weights: as a repo without one, --force to replace
-    hub.add_repo("tester/Baz-FP8-Dynamic", {"fp8kit.json": b"{not json", "model.safetensors": b"someone's weights"})
-    args = [src, "--base-model", "org-a/Baz", "--scheme", "dynamic", "--json"]
-    proc = publish(tmp_path, hub, *args)
-    error = results(proc)["tester/Baz-FP8-Dynamic"]["error"]
-    assert proc.returncode == 1 and "fp8kit.json is not readable JSON" in error and "--force" in error, error
-    assert hub.file("tester/Baz-FP8-Dynamic", "model.safetensors") == b"someone's weights"
+    for i, (text, says) in enumerate([(b"{not json", "is not readable JSON"), (b"{}", "names no base model"),
+                                      (b"[]", "names no base model"), (b'{"base_model": null}', "names no base model")]):
+        repo = f"tester/Baz{i}-FP8-Dynamic"
+        hub.add_repo(repo, {"fp8kit.json": text, "model.safetensors": b"someone's weights"})
+        args = [src, "--base-model", f"org-a/Baz{i}", "--scheme", "dynamic", "--json"]
+        proc = publish(tmp_path, hub, *args)
+        error = results(proc)[repo]["error"]
+        assert proc.returncode == 1 and f"fp8kit.json {says}" in error and "--force" in error, error
+        assert hub.file(repo, "model.safetensors") == b"someone's weights"
     assert publish(tmp_path, hub, *args, "--force").returncode == 0
 
 
@@ -191,7 +194,7 @@ schemes = ["block"]
 
 
 def test_create_pr_opens_a_pull_request_and_leaves_main(tmp_path, hub, src):
-    hub.add_repo("tester/tiny-FP8-Dynamic", {"fp8kit.json": b"{}"})
+    hub.add_repo("tester/tiny-FP8-Dynamic", {"fp8kit.json": json.dumps({"base_model": "org/tiny"}).encode()})
     proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "dynamic", "--create-pr", "--json")
     assert proc.returncode == 0, proc.stderr
     result = results(proc)["tester/tiny-FP8-Dynamic"]

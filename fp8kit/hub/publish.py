@@ -379,7 +379,10 @@ def _check_remote_base(api, repo_id: str, folder: Path) -> None:
         raise Fp8kitError(f"{repo_id}: its {PROVENANCE} is not readable JSON ({e}), so which model it holds cannot be "
                           f"checked; pass --force to upload into it") from e
     base = theirs.get("base_model") if isinstance(theirs, dict) else None
-    if isinstance(base, str) and base.lower() != str(ours).lower():
+    if not isinstance(base, str):  # fp8kit always writes it: this file is not ours, or was edited
+        raise Fp8kitError(f"{repo_id}: its {PROVENANCE} names no base model, so which model it holds cannot be "
+                          f"checked; pass --force to upload into it")
+    if base.lower() != str(ours).lower():
         raise Fp8kitError(f"{repo_id}: holds fp8kit's FP8 variant of {base} (its {PROVENANCE}), not of {ours}; "
                           f"publish under another --repo-template or --org, or pass --force to replace it")
 

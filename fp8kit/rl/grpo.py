@@ -380,7 +380,7 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     # below per element) fall under float16's smallest normal (6e-5) and flush to zero. Dynamic loss scaling as
     # transformers' Trainer does for fp16 (torch.amp.GradScaler: x2^16 to start, halved on an overflow, whose step
     # is skipped); bf16 and float32 have float32's exponent range and need none.
-    scaler = torch.amp.GradScaler(params[0].device.type, enabled=params[0].dtype == torch.float16)
+    scaler = torch.amp.GradScaler(params[0].device.type, enabled=any(p.dtype == torch.float16 for p in params))
     start = 0
     if resume is not None:
         start = load_checkpoint(resume, model, optimizer, masters, scaler)
