@@ -36,13 +36,14 @@ def test_dense_architectures(tmp_path, arch, dtype, scheme):
     src = build_checkpoint(tmp_path / "src", arch, dtype, seed=3)
     report = convert(src, tmp_path / "out", scheme=scheme)
     names = tensors(tmp_path / "out")
-    scale_dtype = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+    source_dtype = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+    scale_dtype = "F32" if dtype == torch.float16 else source_dtype  # float16 scales underflow for small rows
     for name, dt in names.items():
         if name.endswith("_proj.weight") and ".layers." in name:
             assert dt == "F8_E4M3", name
             assert names[name[: -len("weight")] + "weight_scale"] == scale_dtype
         elif not name.endswith("weight_scale"):
-            assert dt == scale_dtype, name  # embeddings, norms, lm_head: source precision
+            assert dt == source_dtype, name  # embeddings, norms, lm_head: source precision
     assert len(report.quantized) == 7 * 2
     assert "lm_head" in report.ignored
     result = drift(src, tmp_path / "out")
@@ -180,3 +181,34 @@ def test_peak_rss_without_proc_status_falls_back_to_getrusage_in_bytes(tmp_path)
     if from_proc is None or from_rusage is None:
         pytest.skip("no resident-set measure on this platform")
     assert 0.5 < from_rusage / from_proc < 2, (from_proc, from_rusage)
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "block"])
+def test_float16_source_rows_of_small_magnitude_keep_their_precision(tmp_path, scheme):
+    """float16 scales of rows with amax 1e-5 underflowed (to eps, 5e4 times too large: the row quantized to
+    zeros, 93% off); float32 scales keep every row within e4m3's rounding."""
+    from safetensors.torch import load_file, save_file
+
+    src = build_checkpoint(tmp_path / "src", "llama", torch.float16, seed=3)
+    weights = load_file(src / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    w = weights[name].float()
+    magnitudes = torch.logspace(-6, 0, w.shape[0])[:, None]  # row amax from 1e-6 to 1
+    weights[name] = (w / w.abs().amax(dim=1, keepdim=True) * magnitudes).half()
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    convert(src, tmp_path / "out", scheme=scheme)
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    q, scale = out[name].float(), out[name + "_scale"]
+    assert scale.dtype == torch.float32
+    if scheme == "block":
+        scale = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    source = weights[name].float()
+    err = (q * scale - source).norm(dim=1) / source.norm(dim=1)
+    assert err.max() < 0.05, err.max()  # e4m3: 3 mantissa bits (a random row's error is about 2.5%)
+
+
+def test_fp8_format_per_tensor_says_who_reads_it(tmp_path, llama_dir):
+    report = convert(llama_dir, tmp_path / "out", scheme="tensor", format="fp8")
+    assert any("read by vLLM and SGLang; transformers would ignore its scales" in w for w in report.warnings)
+    assert not any("transformers" in w for w in convert(llama_dir, tmp_path / "b", scheme="block",
+                                                          format="fp8").warnings)

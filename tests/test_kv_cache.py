@@ -298,3 +298,27 @@ def test_missing_tokenizer_is_one_line(tmp_path, llama_dir):
     assert lines[0].startswith(f"error: {llama_dir}: --kv-cache fp8 needs the model's tokenizer to calibrate")
     assert f"copy the model's tokenizer files (tokenizer.json, tokenizer_config.json) into {llama_dir}" in lines[0]
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+def overflowing_fp16_model(directory):
+    """A float16 Llama with finite weights whose layer-1 keys overflow float16 (k_proj filled with 60000)."""
+    from safetensors.torch import load_file, save_file
+
+    src = build_checkpoint(directory, "llama", torch.float16, seed=2)
+    add_tokenizer(src, TEXT)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.weight"].fill_(60000.0)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    (directory.parent / "calibration.txt").write_text(TEXT)
+    return src, directory.parent / "calibration.txt"
+
+
+def test_keys_that_overflow_the_source_dtype_are_refused(tmp_path):
+    """vLLM would serve a NaN k_scale as NaN: one line naming the layer, and no output."""
+    src, calibration = overflowing_fp16_model(tmp_path / "src")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(fp8_convert, [str(src), str(out), "--scheme", "dynamic", "--kv-cache", "fp8",
+                                              "--calibration", str(calibration), "--device", "cpu"])
+    assert result.exit_code == 1 and not out.exists(), result.output
+    last = result.stderr.strip().splitlines()[-1]  # the one line, after transformers' progress bar
+    assert "keys of model.layers.1.self_attn reach" in last and "bfloat16 or float32 copy" in last, last

@@ -191,3 +191,16 @@ def test_full_disk_in_save_pretrained_is_one_line(tmp_path, monkeypatch):
                          f"another OUT")
     assert not [line for line in result.stderr.splitlines() if "Traceback" in line or "SafetensorError" in line]
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_activation_scales_that_overflow_are_refused(tmp_path):
+    """llm-compressor measures NaN input scales where an fp16 model's activations overflow; vLLM would serve them."""
+    from test_kv_cache import overflowing_fp16_model
+
+    src, calibration = overflowing_fp16_model(tmp_path / "src")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(fp8_convert, [str(src), str(out), "--scheme", "tensor-static",
+                                              "--calibration", str(calibration)])
+    assert result.exit_code == 1 and not out.exists(), result.output
+    last = result.stderr.strip().splitlines()[-1]  # the one line, after the libraries' progress bars
+    assert "the calibrated model.layers.1." in last and "overflow float16" in last, last

@@ -87,6 +87,7 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
                           f"(CUDA_VISIBLE_DEVICES=)") from e
     except Exception as e:  # noqa: BLE001 - e.g. token ids past the embedding table
         raise model_run_error(src_path, "--scheme tensor-static", e, RUN_FIX) from e
+    _check_finite_scales(src_path, model)
     warnings = list(sel.warnings)
     # a full disk inside save_pretrained (a SafetensorError, not an OSError) is one line: see atomic_directory
     with atomic_directory(out, overwrite) as partial:
@@ -178,3 +179,16 @@ def _accelerator_available() -> bool:
 
     accelerator = getattr(torch, "accelerator", None)
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
+def _check_finite_scales(src_path: Path, model) -> None:
+    """A scale llm-compressor measured from activations that overflowed the source dtype (an fp16 model on this
+    text) is NaN or inf, which vLLM would load and serve as NaN: refused, naming the first."""
+    import torch
+
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith("_scale") and not bool(torch.isfinite(t.float()).all()):
+            bad = t.float().flatten()[~torch.isfinite(t.float().flatten())][0].item()
+            raise Fp8kitError(f"{src_path}: the calibrated {name} is {bad}: the model's activations overflow "
+                              f"{str(model.dtype).removeprefix('torch.')} on the calibration text; convert a bfloat16 "
+                              f"or float32 copy of it; nothing was written")

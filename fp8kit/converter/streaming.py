@@ -106,13 +106,20 @@ class Job:
     quantize: bool
 
 
+def _scale_dtype(source_dtype: str, fmt: str) -> str:
+    """The source's dtype, as llm-compressor writes scales, except float16: its scales go subnormal for rows under
+    amax 0.027 and flush to eps under 1.3e-5 (93% error there), so float32, as the `fp8` format always has. vLLM
+    keeps scales in float32 whatever the file holds."""
+    return "F32" if fmt == "fp8" or source_dtype == "F16" else source_dtype
+
+
 def _plan(tensors: dict[str, TensorInfo], quantize: set[str], scheme: Scheme, fmt: str) -> list[Job]:
     jobs = []
     for name in sorted(tensors, key=natural_key):
         info = tensors[name]
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if module in quantize:
-            scale_dtype = "F32" if fmt == "fp8" else info.dtype
+            scale_dtype = _scale_dtype(info.dtype, fmt)
             outputs = [OutTensor(name, "F8_E4M3", info.shape),
                        OutTensor(f"{module}.{scale_name(scheme, fmt)}", scale_dtype, scheme.scale_shape(info.shape))]
             jobs.append(Job(info, outputs, True))
@@ -367,9 +374,14 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     kv_scales, warnings = {}, list(sel.warnings)
+    if format == "fp8" and scheme == "tensor":
+        # transformers 5.x reads quant_method fp8 as 128x128 blocks with `weight_scale_inv`: it skips this layout's
+        # per-tensor `weight_scale` (vLLM's and SGLang's name) and runs the FP8 codes unscaled
+        warnings.append("--format fp8 with tensor is read by vLLM and SGLang; transformers would ignore its scales "
+                        "(use the compressed-tensors format to load it there)")
     if kv_cache:
-        # in the weight scales' dtype, as llm-compressor writes them
-        kv_dtype = DTYPES[tensors[sel.quantize[0] + ".weight"].dtype]
+        # in the weight scales' dtype
+        kv_dtype = DTYPES[_scale_dtype(tensors[sel.quantize[0] + ".weight"].dtype, format)]
         kv_scales, calibrated_on = kv_cache_scales(src_path, calibration, dev, kv_dtype, tensors)
         config["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme()
         warnings.append(f"FP8 KV-cache scales calibrated on {calibrated_on}")
