@@ -479,3 +479,44 @@ def test_float16_overflow_skips_the_step_and_halves_the_scale(tiny_fp8, monkeypa
     assert [h["loss_scale"] for h in history] == [2.0 ** 100, 2.0 ** 99, 2.0 ** 98]
     assert all(h["update_skipped"] and not math.isfinite(h["grad_norm"]) for h in history)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_top_p_rollout_and_trainer_score_the_same_nucleus(tiny_fp8):
+    """With top_p < 1 the engines report log-probabilities renormalized over the nucleus they sampled from (vLLM's
+    processed_logprobs), and so does the trainer: importance weights then carry the engines' mismatch, not the
+    nucleus mass (over the full vocabulary they would average about top_p)."""
+    from fp8kit.rl.grpo import _batch, completion_logprobs
+    from fp8kit.rl.rollout import HFRollout
+
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    prompts = [tok("the quick")["input_ids"], tok("lazy dog jumps")["input_ids"]]
+    completions = HFRollout(model, tok).generate(prompts, 4, 8, temperature=0.9, top_p=0.5, seed=3)
+    batch = _batch(prompts, completions, 4, tok.pad_token_id, torch.device("cpu"))
+    with torch.no_grad():
+        nucleus = completion_logprobs(model, batch, slice(0, 8), 0.9, top_p=0.5)
+        full = completion_logprobs(model, batch, slice(0, 8), 0.9)
+    mask = batch["mask"].bool()
+    rollout = batch["rollout_logp"]
+    assert (rollout - nucleus)[mask].abs().max() < 1e-5
+    assert ((nucleus - full)[mask] >= -1e-6).all() and (nucleus - full)[mask].max() > 0.1  # renormalized upward
+    history = train(model, tok, ["the quick", "lazy dog jumps"], lambda completions, **_: [len(c) / 40 for c in completions],
+                    GRPOConfig(steps=1, prompts_per_step=2, num_generations=4, max_completion_length=8,
+                               temperature=0.9, top_p=0.5))
+    assert history[0]["mismatch_kl"] < 1e-6 and history[0]["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_reward_functions_get_every_column_at_every_step(tiny_fp8):
+    """Dict prompts whose keys differ: each step passes every column any row has (None where a row lacks it),
+    paired with its own completions, whichever row the step drew first."""
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    rows = [{"prompt": "the quick", "answer": "fox"}, {"prompt": "lazy dog"}, {"prompt": "brown fox", "tag": 3}]
+    seen = []
+
+    def reward(prompts, completions, answer, tag, **_):
+        seen.append(list(zip(prompts, answer, tag)))
+        return [0.0] * len(completions)
+
+    train(model, tok, rows, reward, GRPOConfig(steps=4, prompts_per_step=2, num_generations=2,
+                                               max_completion_length=2))
+    want = {"the quick": ("fox", None), "lazy dog": (None, None), "brown fox": (None, 3)}
+    assert len(seen) == 4 and all(want[p] == (a, t) for step in seen for p, a, t in step)

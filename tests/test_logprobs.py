@@ -99,8 +99,8 @@ def test_other_model_types_run_the_model_forward(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("frozen", [True, False])  # fused gradient, or checkpointed chunks
-@pytest.mark.parametrize("softcap", [None, 5.0])
-def test_head_logprobs_against_float64(frozen, softcap):
+@pytest.mark.parametrize("softcap,top_p", [(None, 1.0), (5.0, 1.0), (None, 0.7), (5.0, 0.3)])
+def test_head_logprobs_against_float64(frozen, softcap, top_p):
     g = torch.Generator().manual_seed(1)
     head = torch.nn.Linear(16, 300, bias=True).double().requires_grad_(not frozen)
     with torch.no_grad():
@@ -111,9 +111,18 @@ def test_head_logprobs_against_float64(frozen, softcap):
     logits = hidden @ head.weight.detach().T + head.bias.detach()
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
-    reference = torch.log_softmax(logits / 0.6, dim=-1).gather(-1, tokens[..., None])[..., 0]
+    z = logits / 0.6
+    if top_p < 1:  # top-p by hand in float64: the smallest probabilities summing to at most 1 - top_p drop out
+        probs = torch.softmax(z.detach(), dim=-1)
+        below = (probs[..., None, :] < probs[..., :, None]).to(probs.dtype)  # [.., v, w]: p_w < p_v
+        mass_below = (below * probs[..., None, :]).sum(-1) + probs  # each token's p plus all smaller ones
+        drop = (mass_below <= 1 - top_p) & (probs < probs.amax(-1, keepdim=True))
+        drop.scatter_(-1, tokens[..., None], False)  # the sampled token always counts
+        z = z.masked_fill(drop, float("-inf"))
+        assert drop.any(-1).all()  # the nucleus is a strict subset at every position
+    reference = torch.log_softmax(z, dim=-1).gather(-1, tokens[..., None])[..., 0]
     (reference_grad,) = torch.autograd.grad((reference * weights).sum(), hidden)
-    got = logprobs.head_logprobs(hidden, tokens, head, 0.6, softcap, chunk=5)
+    got = logprobs.head_logprobs(hidden, tokens, head, 0.6, softcap, chunk=5, top_p=top_p)
     assert got.dtype == torch.float32  # sampled_logprobs' precision: float32 logits
     (grad,) = torch.autograd.grad((got * weights).sum(), hidden)
     torch.testing.assert_close(got.double(), reference.detach(), rtol=0, atol=1e-5)

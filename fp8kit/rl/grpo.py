@@ -41,7 +41,7 @@ class GRPOConfig:
     num_generations: int = 8
     max_completion_length: int = 64
     temperature: float = 1.0
-    top_p: float = 1.0  # keep 1.0 for exact importance weights: the trainer scores the full softmax(logits / T)
+    top_p: float = 1.0  # < 1: engines and trainer score the nucleus-renormalized distribution (outside_nucleus)
     loss_type: str = "grpo"  # grpo | dr_grpo | dapo | gspo
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: epsilon, except dapo's clip-higher 0.28 (DAPO paper)
@@ -178,10 +178,13 @@ def _batch(prompt_ids: list[list[int]], completions: list[Completion], n: int, p
             "rollout_logp": rollout_logp.to(device)}
 
 
-def completion_logprobs(model: nn.Module, batch: dict, rows: slice, temperature: float) -> torch.Tensor:
-    """The trainer's log-probabilities of the completion tokens under logits / temperature, [rows, T]."""
+def completion_logprobs(model: nn.Module, batch: dict, rows: slice, temperature: float,
+                        top_p: float = 1.0) -> torch.Tensor:
+    """The trainer's log-probabilities of the completion tokens under logits / temperature (renormalized over the
+    top-p nucleus, as the rollout engines report theirs), [rows, T]."""
     return logprobs.completion_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows],
-                                        batch["position_ids"][rows], batch["completion_ids"][rows], temperature)
+                                        batch["position_ids"][rows], batch["completion_ids"][rows], temperature,
+                                        top_p=top_p)
 
 
 def _config(config) -> GRPOConfig:
@@ -417,6 +420,9 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     n = config.num_generations
     history = []
+    # every column any prompt row has, for every step (None where a row lacks it): the keys of whichever row a
+    # step drew first would make a column come and go between steps
+    columns = list(dict.fromkeys(k for r in rows for k in r if k != "prompt"))
     for step in range(start + 1, config.steps + 1):
         seed = _step_seed(config.seed, step)
         if device.type == "cuda":
@@ -434,7 +440,7 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
             completions = [c if len(c.token_ids) <= room else Completion(c.token_ids[:room], c.logprobs[:room])
                            for c, room in zip(completions, rooms)]
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        extra = {k: [r.get(k) for r in picked for _ in range(n)] for k in picked[0] if k != "prompt"}
+        extra = {k: [r.get(k) for r in picked for _ in range(n)] for k in columns}
         rewards, per_func = _rewards(reward_funcs, config.reward_weights, [r["prompt"] for r in picked for _ in range(n)],
                                      texts, [c.token_ids for c in completions], extra)
         advantages = group_advantages(rewards, n, scale_rewards=config.scale_rewards).to(device)
@@ -452,12 +458,12 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
         stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "mismatch_kl": 0.0, "is_weight_mean": 0.0}
         for idx in chunks:
             part = slice(int(idx[0]), int(idx[-1]) + 1)
-            logp = completion_logprobs(model, batch, part, config.temperature)
+            logp = completion_logprobs(model, batch, part, config.temperature, config.top_p)
             mask, rollout_logp = batch["mask"][part], batch["rollout_logp"][part]
             ref_logp = None
             if config.beta:
                 with torch.no_grad(), adapters_disabled(model):
-                    ref_logp = completion_logprobs(model, batch, part, config.temperature)
+                    ref_logp = completion_logprobs(model, batch, part, config.temperature, config.top_p)
             is_weights = (truncated_importance_weights(logp.detach(), rollout_logp, config.importance_sampling_cap)
                           if config.importance_sampling else None)
             out = policy_loss(logp, logp.detach(), advantages[part], mask, config.loss_type, config.epsilon,

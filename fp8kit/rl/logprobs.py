@@ -40,9 +40,34 @@ def _fp16_gradient_scale(weight: torch.Tensor, temperature: float) -> float:
     return 2.0 ** max(0, min(24, math.floor(math.log2(FP16_HEADROOM / bound))))
 
 
-def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T)[token] in float32, without materializing the full log-softmax twice."""
+def outside_nucleus(z: torch.Tensor, top_p: float, tokens: torch.Tensor) -> torch.Tensor:
+    """True where top-p sampling drops a token of z [N, V] (logits / T): the smallest probabilities whose sum
+    stays within 1 - top_p, the largest always kept, as vLLM's apply_top_k_top_p and transformers'
+    TopPLogitsWarper both rule; the sampled `tokens` [N] are kept whatever the rule says, so an engine whose
+    boundary token fell the other way by a rounding still scores a finite log-probability.
+
+    With top_p < 1 the rollout engines report log-probabilities renormalized over this nucleus (vLLM's
+    processed_logprobs; HFRollout the same), and the trainer scores the same renormalized distribution, with the
+    nucleus taken from its own logits: over the full vocabulary every importance weight would carry the nucleus
+    mass (0.9 at top_p 0.9, 0.5 at 0.5) instead of the engines' mismatch (trl#6789; verl and NeMo RL renormalize
+    the trainer's side likewise)."""
+    sorted_z, order = torch.sort(z, dim=-1)
+    drop = sorted_z.softmax(dim=-1).cumsum_(dim=-1) <= 1 - top_p
+    drop[..., -1] = False
+    del sorted_z
+    return drop.scatter(-1, order, drop).scatter_(-1, tokens.unsqueeze(-1), False)
+
+
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                     top_p: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T)[token] in float32 (over the top-p nucleus when top_p < 1), without materializing
+    the full log-softmax twice."""
     logits = logits.float() / temperature
+    if top_p < 1:
+        shape = logits.shape
+        flat = logits.reshape(-1, shape[-1])
+        logits = flat.masked_fill(outside_nucleus(flat.detach(), top_p, tokens.reshape(-1)), float("-inf"))
+        logits = logits.reshape(shape)
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
@@ -51,7 +76,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     the forward stored (W frozen: no weight gradient)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, temperature, softcap, chunk, need_grad):
+    def forward(ctx, hidden, weight, bias, tokens, temperature, softcap, chunk, need_grad, top_p):
         out = torch.empty(tokens.shape, dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden) if need_grad else None
         scale = _fp16_gradient_scale(weight, temperature) if need_grad and weight.dtype == torch.float16 else 1.0
@@ -63,6 +88,8 @@ class _FusedHeadLogprobs(torch.autograd.Function):
                 dcap = 1 - t.float().square() if need_grad else None  # d softcap(x) / dx = 1 - tanh(x / c)^2
                 logits = t * softcap
             z = logits.float().div_(temperature)  # float32 (a copy unless it is already)
+            if top_p < 1:  # the renormalized nucleus (outside_nucleus); dropped tokens get probability 0
+                z.masked_fill_(outside_nucleus(z, top_p, tokens[rows]), float("-inf"))
             lse = torch.logsumexp(z, dim=-1)
             token = tokens[rows].unsqueeze(-1)
             out[rows] = z.gather(-1, token).squeeze(-1) - lse
@@ -86,21 +113,21 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     def backward(ctx, grad_out):
         (grad,) = ctx.saved_tensors  # float16: times ctx.scale, undone in float32 here
         return ((grad.float() * (grad_out / ctx.scale).unsqueeze(-1)).to(grad.dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def _head_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: nn.Module, temperature: float,
-                   softcap: float | None) -> torch.Tensor:
+                   softcap: float | None, top_p: float) -> torch.Tensor:
     logits = head(hidden)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    return sampled_logprobs(logits, tokens, temperature)
+    return sampled_logprobs(logits, tokens, temperature, top_p)
 
 
 def head_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: nn.Module, temperature: float = 1.0,
-                  softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
-    """log softmax(head(hidden) / temperature)[tokens] in float32: hidden [..., H], tokens [...] -> [...],
-    `chunk` positions at a time (default: CHUNK_LOGITS logits)."""
+                  softcap: float | None = None, chunk: int | None = None, top_p: float = 1.0) -> torch.Tensor:
+    """log softmax(head(hidden) / temperature)[tokens] in float32 (over the top-p nucleus when top_p < 1):
+    hidden [..., H], tokens [...] -> [...], `chunk` positions at a time (default: CHUNK_LOGITS logits)."""
     flat_hidden, flat_tokens = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
     vocab = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
     chunk = chunk or max(1, CHUNK_LOGITS // vocab)
@@ -110,24 +137,25 @@ def head_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: nn.Module, t
     frozen = type(head) is nn.Linear and not any(p.requires_grad for p in head.parameters())
     if frozen:
         return _FusedHeadLogprobs.apply(flat_hidden, head.weight, head.bias, flat_tokens, temperature, softcap,
-                                        chunk, need_grad).reshape(tokens.shape)
+                                        chunk, need_grad, top_p).reshape(tokens.shape)
     pieces = []
     for start in range(0, flat_tokens.numel(), chunk):
-        args = (flat_hidden[start: start + chunk], flat_tokens[start: start + chunk], head, temperature, softcap)
+        args = (flat_hidden[start: start + chunk], flat_tokens[start: start + chunk], head, temperature, softcap,
+                top_p)
         pieces.append(checkpoint(_head_logprobs, *args, use_reentrant=False) if need_grad else _head_logprobs(*args))
     return torch.cat(pieces).reshape(tokens.shape)
 
 
 def completion_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         position_ids: torch.Tensor, completion_ids: torch.Tensor, temperature: float,
-                        chunk: int | None = None) -> torch.Tensor:
+                        chunk: int | None = None, top_p: float = 1.0) -> torch.Tensor:
     """The log-probabilities [rows, T] of completion_ids, the last T tokens of input_ids, under
-    softmax(logits / temperature)."""
+    softmax(logits / temperature), renormalized over the top-p nucleus when top_p < 1."""
     length = completion_ids.shape[1]
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     if model.config.model_type in HEAD_ON_HIDDEN:
         hidden = model.model(**inputs).last_hidden_state[:, -(length + 1): -1]
         softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-        return head_logprobs(hidden, completion_ids, model.lm_head, temperature, softcap, chunk)
+        return head_logprobs(hidden, completion_ids, model.lm_head, temperature, softcap, chunk, top_p)
     logits = model(**inputs, logits_to_keep=length + 1).logits[:, :-1]
-    return sampled_logprobs(logits, completion_ids, temperature)
+    return sampled_logprobs(logits, completion_ids, temperature, top_p)

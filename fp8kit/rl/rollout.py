@@ -10,11 +10,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fp8kit.rl.logprobs import outside_nucleus
+
 
 @dataclass
 class Completion:
     token_ids: list[int]
-    logprobs: list[float]  # of each sampled token under the sampling distribution (logits / temperature)
+    logprobs: list[float]  # of each sampled token under the distribution sampled from: logits / temperature,
+    # renormalized over the top-p nucleus (vLLM's processed_logprobs)
 
 
 class _SampledTokenLogprobs:
@@ -25,18 +28,23 @@ class _SampledTokenLogprobs:
     logits that output_logits would have kept; each step's distribution is read at the next call, once the
     token sampled from it is the last of input_ids."""
 
-    def __init__(self, temperature: float):
-        self.temperature, self.last, self.values = temperature, None, []
+    def __init__(self, temperature: float, top_p: float = 1.0):
+        self.temperature, self.top_p, self.last, self.values = temperature, top_p, None, []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.take(input_ids[:, -1])
-        z = scores.float() / self.temperature
-        self.last = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+        self.last = scores.float() / self.temperature
         return scores
 
     def take(self, tokens: torch.Tensor) -> None:
+        """The sampled tokens' log-probabilities, once they are known: under top-p, over the nucleus the warper
+        sampled from (the same rule, fp8kit.rl.logprobs.outside_nucleus, on the same float32 logits / T)."""
         if self.last is not None:
-            self.values.append(self.last.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+            z = self.last
+            if self.top_p < 1:
+                z = z.masked_fill(outside_nucleus(z, self.top_p, tokens), float("-inf"))
+            lse = torch.logsumexp(z, dim=-1)
+            self.values.append(z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse)
             self.last = None
 
 
@@ -72,7 +80,7 @@ class HFRollout:
         torch.manual_seed(seed)
         config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
                                   max_new_tokens=max_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
-        recorder = _SampledTokenLogprobs(temperature)
+        recorder = _SampledTokenLogprobs(temperature, top_p)
         was_training, saved = self.model.training, self.model.generation_config
         # generate fills what `config` leaves unset from model.generation_config (transformers 5.17
         # _prepare_generation_config): the checkpoint's repetition penalty, min_p or suppressed tokens would change

@@ -242,7 +242,9 @@ class VLLMRollout:
 
     @torch.no_grad()
     def sync_lora(self, model: nn.Module) -> None:
-        """Write the trainer's LoRA into vLLM's active adapter slot (B scaled by alpha/r), in place."""
+        """Write the trainer's LoRA into vLLM's active adapter slot (B scaled by alpha/r), in place. The adapter
+        keeps its id, so vLLM's prefix cache would still serve prompts' KV computed under the old weights: the GRPO
+        loop calls this between sleep() (vLLM's LLM.sleep resets the prefix cache) and wake()."""
         if self.lora_request is None:
             return
         from fp8kit.rl.loader import lora_modules
