@@ -36,14 +36,13 @@ def test_dense_architectures(tmp_path, arch, dtype, scheme):
     src = build_checkpoint(tmp_path / "src", arch, dtype, seed=3)
     report = convert(src, tmp_path / "out", scheme=scheme)
     names = tensors(tmp_path / "out")
-    source_dtype = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
-    scale_dtype = "F32" if dtype == torch.float16 else source_dtype  # float16 scales underflow for small rows
+    scale_dtype = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
     for name, dt in names.items():
         if name.endswith("_proj.weight") and ".layers." in name:
             assert dt == "F8_E4M3", name
             assert names[name[: -len("weight")] + "weight_scale"] == scale_dtype
         elif not name.endswith("weight_scale"):
-            assert dt == source_dtype, name  # embeddings, norms, lm_head: source precision
+            assert dt == scale_dtype, name  # embeddings, norms, lm_head: source precision
     assert len(report.quantized) == 7 * 2
     assert "lm_head" in report.ignored
     result = drift(src, tmp_path / "out")
@@ -184,27 +183,31 @@ def test_peak_rss_without_proc_status_falls_back_to_getrusage_in_bytes(tmp_path)
 
 
 @pytest.mark.parametrize("scheme", ["dynamic", "block"])
-def test_float16_source_rows_of_small_magnitude_keep_their_precision(tmp_path, scheme):
-    """float16 scales of rows with amax 1e-5 underflowed (to eps, 5e4 times too large: the row quantized to
-    zeros, 93% off); float32 scales keep every row within e4m3's rounding."""
+def test_float16_source_rows_of_small_magnitude_keep_their_values(tmp_path, scheme):
+    """A float16 row of amax under 1.3e-5 has a scale that underflows float16: compressed-tensors' eps in its place
+    (5e4 times too large) quantized the row to zeros; the smallest subnormal keeps it. The file's float16 scales
+    are what every loader multiplies by, so the check dequantizes with them as stored."""
     from safetensors.torch import load_file, save_file
 
     src = build_checkpoint(tmp_path / "src", "llama", torch.float16, seed=3)
     weights = load_file(src / "model.safetensors")
     name = "model.layers.0.self_attn.q_proj.weight"
     w = weights[name].float()
-    magnitudes = torch.logspace(-6, 0, w.shape[0])[:, None]  # row amax from 1e-6 to 1
+    magnitudes = torch.logspace(-6.5, -4.5, w.shape[0])[:, None]  # row amax 3e-7 to 3e-5
     weights[name] = (w / w.abs().amax(dim=1, keepdim=True) * magnitudes).half()
     save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
     convert(src, tmp_path / "out", scheme=scheme)
     out = load_file(tmp_path / "out" / "model.safetensors")
     q, scale = out[name].float(), out[name + "_scale"]
-    assert scale.dtype == torch.float32
+    assert scale.dtype == torch.float16 and (scale > 0).all()
+    scale = scale.float()
     if scheme == "block":
         scale = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
     source = weights[name].float()
     err = (q * scale - source).norm(dim=1) / source.norm(dim=1)
-    assert err.max() < 0.05, err.max()  # e4m3: 3 mantissa bits (a random row's error is about 2.5%)
+    # e4m3's 3 mantissa bits (about 2.5% for a random row); float16's own subnormal rounding of the source adds
+    # some at amax 3e-7 (its step is 6e-8)
+    assert err.max() < 0.06 and err.median() < 0.03, (err.max(), err.median())  # 4.5% and 2.6% (was 100%, 52%)
 
 
 def test_fp8_format_per_tensor_says_who_reads_it(tmp_path, llama_dir):

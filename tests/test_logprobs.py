@@ -248,3 +248,14 @@ def test_fused_head_gradient_of_confident_tokens_against_float64(dtype, scale, b
     rows = (p_token >= band[0]) & (p_token < band[1])
     err = (hidden.grad.double() / scale - want).norm(dim=1) / want.norm(dim=1)
     assert rows.sum() >= 10 and err[rows].median() < tol, (int(rows.sum()), float(err[rows].median()))
+
+
+def test_top_p_on_full_logits_is_sorted_a_chunk_at_a_time(monkeypatch):
+    """Models whose forward makes the full logits: the nucleus sort runs over chunks of rows, with the same result."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 7, 50, generator=g, requires_grad=True)
+    tokens = torch.randint(0, 50, (3, 7), generator=g)
+    whole = logprobs.sampled_logprobs(logits, tokens, 0.8, top_p=0.6)
+    monkeypatch.setattr(logprobs, "CHUNK_LOGITS", 100)  # two rows per sort
+    chunked = logprobs.sampled_logprobs(logits, tokens, 0.8, top_p=0.6)
+    assert torch.equal(whole, chunked) and (whole > logprobs.sampled_logprobs(logits, tokens, 0.8) + 1e-3).any()

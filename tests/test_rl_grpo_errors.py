@@ -105,7 +105,9 @@ def test_a_bare_string_of_prompts_and_no_reward_functions_are_refused(tiny_fp8):
     for prompts, funcs, needle in (("the quick", [_zero], "prompts='the quick': expected a list"),
                                    ({"prompt": "the quick"}, [_zero], "wrap a single prompt in a list"),
                                    (["the quick"], [], "reward_funcs=[]: expected a non-empty list"),
-                                   (["the quick"], [_zero, "len"], "expected a non-empty list of functions")):
+                                   (["the quick"], [_zero, "len"], "expected a non-empty list of functions"),
+                                   ([{"prompt": "a"}, {"prompt": "b", "completions": 1}], [_zero],
+                                    "a row has a 'completions' column, the name of an argument")):
         with pytest.raises(Fp8kitError) as e:
             train(model, tok, prompts, funcs, config)
         assert needle in str(e.value) and "\n" not in str(e.value), e.value

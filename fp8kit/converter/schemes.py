@@ -70,8 +70,13 @@ def scale_from_amax(amax_: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tens
     # Divide by a tensor, as compressed-tensors does: CUDA turns division by a Python scalar into
     # multiplication by its (inexact) reciprocal, which would make GPU and CPU scales differ.
     scale = amax_.to(scale_dtype) / torch.tensor(FP8_MAX, dtype=scale_dtype, device=amax_.device)
-    eps = torch.finfo(scale_dtype).eps
-    return torch.where(scale == 0, torch.tensor(eps, dtype=scale_dtype, device=scale.device), scale)
+    info = torch.finfo(scale_dtype)
+    # an all-zero row gets eps, as compressed-tensors gives it (its codes are 0 whatever the scale). A non-zero row
+    # whose scale underflows (float16: amax under 1.3e-5) gets the smallest subnormal instead of eps, 5e4 times too
+    # large, which quantized it to zeros (there alone the bytes differ from llm-compressor's).
+    floor = torch.where(amax_.to(scale_dtype) == 0, torch.tensor(info.eps, dtype=scale_dtype, device=scale.device),
+                        torch.tensor(info.tiny * info.eps, dtype=scale_dtype, device=scale.device))
+    return torch.where(scale == 0, floor, scale)
 
 
 def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: Scheme) -> torch.Tensor:

@@ -360,6 +360,10 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     rows = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
     if not rows or not all(isinstance(r.get("prompt"), str) for r in rows):
         raise Fp8kitError("prompts: expected a non-empty list of strings or of dicts with a 'prompt' string")
+    taken = sorted({k for r in rows for k in r} & {"prompts", "completions", "completion_ids"})
+    if taken:  # the reward functions' own arguments
+        raise Fp8kitError(f"prompts: a row has a {taken[0]!r} column, the name of an argument every reward function "
+                          f"gets; rename the column")
     lengths = [len(tokenizer(r["prompt"])["input_ids"]) for r in rows]  # one at a time, as each step does
     if 0 in lengths:  # generate needs a last prompt token to continue from
         raise Fp8kitError(f"prompt {lengths.index(0)} tokenizes to no tokens (an empty prompt, and the tokenizer adds "

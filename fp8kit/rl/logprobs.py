@@ -50,7 +50,8 @@ def outside_nucleus(z: torch.Tensor, top_p: float, tokens: torch.Tensor) -> torc
     processed_logprobs; HFRollout the same), and the trainer scores the same renormalized distribution, with the
     nucleus taken from its own logits: over the full vocabulary every importance weight would carry the nucleus
     mass (0.9 at top_p 0.9, 0.5 at 0.5) instead of the engines' mismatch (trl#6789; verl and NeMo RL renormalize
-    the trainer's side likewise)."""
+    the trainer's side likewise). Ties exactly at the threshold are broken by the sort, as in the engines, so
+    there the two sides may keep different twins."""
     sorted_z, order = torch.sort(z, dim=-1)
     drop = sorted_z.softmax(dim=-1).cumsum_(dim=-1) <= 1 - top_p
     drop[..., -1] = False
@@ -65,9 +66,11 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: fl
     logits = logits.float() / temperature
     if top_p < 1:
         shape = logits.shape
-        flat = logits.reshape(-1, shape[-1])
-        logits = flat.masked_fill(outside_nucleus(flat.detach(), top_p, tokens.reshape(-1)), float("-inf"))
-        logits = logits.reshape(shape)
+        flat, flat_tokens = logits.reshape(-1, shape[-1]), tokens.reshape(-1)
+        step = max(1, CHUNK_LOGITS // shape[-1])  # the sort's values and int64 indices, a chunk of rows at a time
+        drop = torch.cat([outside_nucleus(flat[i: i + step].detach(), top_p, flat_tokens[i: i + step])
+                          for i in range(0, flat.shape[0], step)]) if flat.shape[0] else flat.bool()
+        logits = flat.masked_fill(drop, float("-inf")).reshape(shape)
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
