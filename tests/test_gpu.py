@@ -23,6 +23,27 @@ def test_cuda_conversion_equals_cpu(llama_dir, tmp_path, scheme, fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["dynamic", "block"])
+def test_cuda_conversion_of_tiny_float16_rows_equals_cpu(tmp_path, scheme):
+    """Rows whose float16 scale underflows (amax 3e-7 to 3e-5) get the same subnormal floor on both devices."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fp8kit.models import build_checkpoint
+
+    src = build_checkpoint(tmp_path / "src", "llama", torch.float16, seed=3)
+    weights = load_file(src / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    w = weights[name].float()
+    weights[name] = (w / w.abs().amax(dim=1, keepdim=True) * torch.logspace(-6.5, -4.5, w.shape[0])[:, None]).half()
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    convert(src, tmp_path / "cpu", scheme=scheme, device="cpu")
+    convert(src, tmp_path / "gpu", scheme=scheme, device="cuda")
+    for path in sorted((tmp_path / "cpu").iterdir()):
+        assert path.read_bytes() == (tmp_path / "gpu" / path.name).read_bytes(), path.name
+
+
+@pytest.mark.gpu
 def test_vllm_uses_the_kv_cache_scales(tmp_path):
     """A --kv-cache fp8 checkpoint turns on vLLM's FP8 KV cache with the checkpoint's per-layer scales."""
     pytest.importorskip("vllm")

@@ -248,3 +248,26 @@ def test_device_index_and_name_load_on_that_gpu(tmp_path, llama_dir):
         assert {p.device for p in model.parameters()} == {torch.device("cuda", 0)}, device
     with pytest.raises(Fp8kitError, match=f"only {torch.cuda.device_count()} CUDA GPU"):
         load_fp8_model(out, dtype=torch.bfloat16, lora_rank=4, device=torch.cuda.device_count())
+
+
+@pytest.mark.parametrize("dtype,top_p", [(torch.float32, 0.7), (torch.float16, 1.0), (torch.float16, 0.9)])
+def test_fused_head_logprobs_on_cuda_match_the_cpu(dtype, top_p):
+    """The fused log-probability head (nucleus, float16 gradient scaling) computes on CUDA what it does on the CPU."""
+    from fp8kit.rl.logprobs import head_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(256, 4096, bias=False).requires_grad_(False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(4096, 256, generator=g) * 0.05)
+    hidden = torch.randn(96, 256, generator=g) * 3
+    tokens = torch.randint(0, 4096, (96,), generator=g)
+    up = torch.randn(96, generator=g) / 1024
+    results = []
+    for device, dt in (("cpu", torch.float32), ("cuda", dtype)):
+        h = hidden.to(device, dt).detach().requires_grad_()  # a leaf on each device
+        lp = head_logprobs(h, tokens.to(device), head.to(device, dt), 0.8, chunk=32, top_p=top_p)
+        (lp * up.to(device) * (2.0 ** 16 if dt == torch.float16 else 1.0)).sum().backward()
+        results.append((lp.detach().cpu().double(), h.grad.cpu().double() / (2.0 ** 16 if dt == torch.float16 else 1)))
+    (want, want_grad), (got, got_grad) = results
+    tol = 1e-4 if dtype == torch.float32 else 3e-2  # float16's logits round at 1e-3 relative
+    assert (got - want).abs().max() < tol * 10 and (got_grad - want_grad).norm() / want_grad.norm() < tol
