@@ -76,7 +76,15 @@ def scale_from_amax(amax_: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tens
     # large, which quantized it to zeros (there alone the bytes differ from llm-compressor's).
     floor = torch.where(amax_.to(scale_dtype) == 0, torch.tensor(info.eps, dtype=scale_dtype, device=scale.device),
                         torch.tensor(info.tiny * info.eps, dtype=scale_dtype, device=scale.device))
-    return torch.where(scale == 0, floor, scale)
+    scale = torch.where(scale == 0, floor, scale)
+    # A subnormal scale (float16 rows of amax 2.7e-5 to 3.7e-4) that rounded down puts the row's largest values
+    # past 464, where e4m3 saturates at 448 (up to 33% off): the next representable scale up keeps them in range.
+    # Normal scales round by 2^-11 at most and never get there, so elsewhere the bytes stay compressed-tensors'.
+    over = amax_.float() / scale.float() > FP8_MAX + 16
+    if bool(over.any()):
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[scale.element_size()]
+        scale = torch.where(over, (scale.view(ints) + 1).view(scale_dtype), scale)  # positive: next float up
+    return scale
 
 
 def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: Scheme) -> torch.Tensor:
