@@ -187,8 +187,9 @@ def _check_finite_scales(src_path: Path, model) -> None:
     import torch
 
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.endswith("_scale") and not bool(torch.isfinite(t.float()).all()):
-            bad = t.float().flatten()[~torch.isfinite(t.float().flatten())][0].item()
+        values = t.detach().float().flatten() if name.endswith("_scale") else None
+        if values is not None and not bool(torch.isfinite(values).all()):
+            bad = values[~torch.isfinite(values)][0].item()
             raise Fp8kitError(f"{src_path}: the calibrated {name} is {bad}: the model's activations overflow "
                               f"{str(model.dtype).removeprefix('torch.')} on the calibration text; convert a bfloat16 "
                               f"or float32 copy of it; nothing was written")

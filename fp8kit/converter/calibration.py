@@ -133,9 +133,10 @@ def kv_cache_scales(src_path: Path, calibration: str | Path | None, device: torc
     for name, a in amax.items():
         module, _, leaf = name.rpartition(".")
         if not bool(torch.isfinite(a)):  # vLLM would serve a NaN or inf scale as NaN
-            raise Fp8kitError(f"{src_path}: the {'keys' if leaf == 'k_scale' else 'values'} of {module} reach {a.item()} on the "
-                              f"calibration text (the model's activations overflow its dtype); convert a bfloat16 "
-                              f"or float32 copy of it, or without --kv-cache; nothing was written")
+            states = "keys" if leaf == "k_scale" else "values"
+            raise Fp8kitError(f"{src_path}: the {states} of {module} reach {a.item()} on the calibration text (the "
+                              f"model's activations overflow its dtype); convert a bfloat16 or float32 copy of it, or "
+                              f"without --kv-cache; nothing was written")
         scales[f"{checkpoint_prefix(module, keys)}.{leaf}"] = scale_from_amax(a, scale_dtype).reshape(1).cpu()
     return scales, f"{len(samples)} sequences from {calibration.name}"
 

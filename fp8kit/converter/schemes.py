@@ -81,10 +81,8 @@ def scale_from_amax(amax_: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tens
     # past 464, where e4m3 saturates at 448 (up to 33% off): the next representable scale up keeps them in range.
     # Normal scales round by 2^-11 at most and never get there, so elsewhere the bytes stay compressed-tensors'.
     over = amax_.float() / scale.float() > FP8_MAX + 16
-    if bool(over.any()):
-        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[scale.element_size()]
-        scale = torch.where(over, (scale.view(ints) + 1).view(scale_dtype), scale)  # positive: next float up
-    return scale
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[scale.element_size()]
+    return torch.where(over, (scale.view(ints) + 1).view(scale_dtype), scale)  # positive: +1 is the next float up
 
 
 def quantize_with_scale(w: torch.Tensor, scale: torch.Tensor, scheme: Scheme) -> torch.Tensor:

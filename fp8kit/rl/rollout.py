@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fp8kit.rl.logprobs import outside_nucleus
+from fp8kit.rl.logprobs import sampled_logprobs
 
 
 @dataclass
@@ -33,18 +33,14 @@ class _SampledTokenLogprobs:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.take(input_ids[:, -1])
-        self.last = scores.float() / self.temperature
+        self.last = scores.clone()  # the warpers after this processor may reuse `scores`
         return scores
 
     def take(self, tokens: torch.Tensor) -> None:
-        """The sampled tokens' log-probabilities, once they are known: under top-p, over the nucleus the warper
-        sampled from (the same rule, fp8kit.rl.logprobs.outside_nucleus, on the same float32 logits / T)."""
+        """The sampled tokens' log-probabilities, once they are known: what the trainer computes (sampled_logprobs:
+        float32 logits / T, under top-p over the nucleus the warper sampled from, by the same rule)."""
         if self.last is not None:
-            z = self.last
-            if self.top_p < 1:
-                z = z.masked_fill(outside_nucleus(z, self.top_p, tokens), float("-inf"))
-            lse = torch.logsumexp(z, dim=-1)
-            self.values.append(z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse)
+            self.values.append(sampled_logprobs(self.last, tokens, self.temperature, self.top_p))
             self.last = None
 
 
