@@ -14,8 +14,8 @@ Variants: bf16, fp8, fp8-kv8 (FP8 KV cache of the same token capacity), fp8-noca
 settings, which drop the BF16 rounding before FP8 activation quantization that the runtime keeps; see
 engine_kwargs), fp8-f32acc (the trainer's FP8 GEMMs promote to float32, FP8KIT_FAST_ACCUM=0, where vLLM's do not),
 fp8-fp8bwd (the trainer's input gradients are FP8 GEMMs too, FP8KIT_FP8_BACKWARD=1); each takes `+mbtN` for N
-tokens per vLLM forward pass and `+gpuN` for a budget of N GiB in which vLLM sizes the KV cache (split_variant; every run records the
-KV-cache tokens). --trace-step N reports what held the memory at the peaks of step N's generation and training
+tokens per vLLM forward pass, `+gpuN` for a budget of N GiB in which vLLM sizes the KV cache (every run records the
+KV-cache tokens) and `+fp16` for float16 in the trainer and vLLM (split_variant). --trace-step N reports what held the memory at the peaks of step N's generation and training
 (evals/memory_trace.py). One run's rollout ratio is one draw of a host whose CPU speed drifts: evals/rollout_rounds.py pools several runs (--standalone-settings runtime adds a standalone
 engine with the runtime's own vLLM arguments).
 
@@ -286,7 +286,8 @@ class TokenPrompts:
         return [""] * len(ids)
 
 
-VARIANT_OPTIONS = "+mbtN (tokens per vLLM forward pass, e.g. +mbt2048), +gpuN (a budget of N GiB, e.g. +gpu20)"
+VARIANT_OPTIONS = ("+mbtN (tokens per vLLM forward pass, e.g. +mbt2048), +gpuN (a budget of N GiB, e.g. +gpu20), "
+                   "+fp16 (trainer and vLLM in float16)")
 
 
 def split_variant(variant: str) -> tuple[str, dict]:
@@ -295,7 +296,8 @@ def split_variant(variant: str) -> tuple[str, dict]:
     activation memory of a generation: the runtime's default is 2048 (ROLLOUT_MAX_BATCHED_TOKENS), vLLM's own for
     its LLM class on an 80 GB GPU 16384 (`+mbt16384`). `+gpuN` gives vLLM N GiB (gpu_memory_utilization) and lets
     it size the KV cache from what its profiling run leaves, instead of the fixed KV_CACHE_BYTES: the KV tokens
-    that fit in the same budget are the context an FP8 model gains over BF16."""
+    that fit in the same budget are the context an FP8 model gains over BF16. `+fp16` runs the trainer and vLLM in
+    float16 (the bfloat16 checkpoint is cast on load), which narrows the rollout/trainer mismatch."""
     base, *extras = variant.split("+")
     if base not in BASE_VARIANTS:
         raise SystemExit(f"variant {variant!r}: unknown; known: {', '.join(BASE_VARIANTS)}, each with options "
@@ -306,6 +308,8 @@ def split_variant(variant: str) -> tuple[str, dict]:
             settings["max_num_batched_tokens"] = int(extra[3:])
         elif extra.startswith("gpu") and extra[3:].isdigit() and int(extra[3:]) > 0:
             settings["budget_gib"] = int(extra[3:])
+        elif extra == "fp16":
+            settings["dtype"] = "float16"
         else:
             raise SystemExit(f"variant {variant!r}: unknown option {extra!r} (known: {VARIANT_OPTIONS})")
     return base, settings
@@ -321,6 +325,7 @@ def engine_kwargs(variant: str) -> dict:
     (results/grpo_gpu_h100_casts.json)."""
     base, settings = split_variant(variant)
     budgeted = settings.pop("budget_gib", None) is not None
+    settings.pop("dtype", None)  # the model's dtype, passed to LLM by the caller (variant_dtype)
     kv_bytes = {} if budgeted else {
         "kv_cache_memory_bytes": KV_CACHE_BYTES // 2 if base == "fp8-kv8" else KV_CACHE_BYTES}
     if base == "fp8-kv8":
@@ -328,6 +333,13 @@ def engine_kwargs(variant: str) -> dict:
     if base == "fp8-nocasts":
         return {**kv_bytes, "compilation_config": {}, **settings}
     return {**kv_bytes, **settings}
+
+
+def variant_dtype(variant: str):
+    """The trainer's and vLLM's dtype for a variant: bfloat16 unless `+fp16`."""
+    import torch
+
+    return getattr(torch, split_variant(variant)[1].get("dtype", "bfloat16"))
 
 
 def memory_utilization(variant: str, total_bytes: int) -> float:
@@ -373,7 +385,7 @@ def run_variant(args) -> dict:
     torch.zeros(1, device="cuda")  # the CUDA context, before anything is loaded
     snapshots = {"context_only": memory_snapshot()}
     t0 = time.perf_counter()
-    model, tokenizer = load_model(checkpoint, load_in_fp8=base != "bf16", dtype=torch.bfloat16,
+    model, tokenizer = load_model(checkpoint, load_in_fp8=base != "bf16", dtype=variant_dtype(args.variant),
                                   max_seq_length=WORKLOAD["prompt_tokens"] + WORKLOAD["max_completion_length"] + 8,
                                   lora_rank=LORA_RANK,
                                   gpu_memory_utilization=memory_utilization(args.variant, torch.cuda.mem_get_info()[1]),
@@ -447,7 +459,7 @@ def run_standalone(args) -> dict:
     utilization = memory_utilization(args.variant, torch.cuda.mem_get_info()[1])
     n, max_tokens = WORKLOAD["num_generations"], WORKLOAD["max_completion_length"]
     if args.standalone_settings == "runtime":
-        llm = LLM(args.checkpoint, **rollout_llm_kwargs(args.checkpoint, torch.bfloat16, max_len, utilization, LORA_RANK,
+        llm = LLM(args.checkpoint, **rollout_llm_kwargs(args.checkpoint, variant_dtype(args.variant), max_len, utilization, LORA_RANK,
                                                         None, engine_kwargs(args.variant)))
 
         def sampling(picked, step):
@@ -455,7 +467,7 @@ def run_standalone(args) -> dict:
     else:
         # the settings the runtime's engine gets for this checkpoint (the compile settings included)
         kwargs = rollout_engine_kwargs(getattr(config, "quantization_config", None) or {}, engine_kwargs(args.variant))
-        llm = LLM(args.checkpoint, dtype="bfloat16", enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1,
+        llm = LLM(args.checkpoint, dtype=str(variant_dtype(args.variant)).removeprefix("torch."), enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1,
                   max_model_len=max_len, gpu_memory_utilization=utilization, seed=0, **kwargs)
 
         def sampling(picked, step):

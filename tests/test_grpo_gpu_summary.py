@@ -66,7 +66,7 @@ def test_variants_with_engine_options_compare_to_bf16_with_the_same_options():
 
 
 def test_variant_names_and_options():
-    from evals.grpo_gpu import engine_kwargs, memory_utilization, split_variant
+    from evals.grpo_gpu import engine_kwargs, memory_utilization, split_variant, variant_dtype
 
     assert split_variant("fp8-kv8+mbt2048") == ("fp8-kv8", {"max_num_batched_tokens": 2048})
     assert engine_kwargs("fp8-kv8+mbt2048")["max_num_batched_tokens"] == 2048
@@ -78,9 +78,13 @@ def test_variant_names_and_options():
     assert engine_kwargs("bf16")["kv_cache_memory_bytes"] == 2 << 30
     assert memory_utilization("bf16+gpu20", 80 << 30) == pytest.approx(0.25)
     assert memory_utilization("bf16", 80 << 30) == 0.5
+    # float16 is the model's dtype, not an engine argument
+    assert split_variant("fp8+fp16") == ("fp8", {"dtype": "float16"})
+    assert "dtype" not in engine_kwargs("fp8+fp16") and engine_kwargs("fp8+fp16") == engine_kwargs("fp8")
+    assert str(variant_dtype("fp8+fp16")) == "torch.float16" and str(variant_dtype("bf16")) == "torch.bfloat16"
     with pytest.raises(SystemExit, match="budget of 96 GiB is not below this GPU's 80.0 GiB"):
         memory_utilization("fp8+gpu96", 80 << 30)
-    for bad in ("fp8+mbt", "fp8+fast", "fp9", "fp8+gpu0", "fp8+gpu1.5"):
+    for bad in ("fp8+mbt", "fp8+fast", "fp9", "fp8+gpu0", "fp8+gpu1.5", "fp8+fp32"):
         with pytest.raises(SystemExit, match="variant"):
             split_variant(bad)
 
