@@ -31,6 +31,12 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
                        vision_config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
                                           num_attention_heads=2, image_size=56, patch_size=14),
                        mm_tokens_per_image=4, image_token_index=500, boi_token_index=501, eoi_token_index=502)),
+    # Mistral Small 3.x: a Pixtral vision tower; no causal-LM auto class takes its config
+    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration",
+                 dict(text_config=dict(_COMMON, model_type="mistral", tie_word_embeddings=False),
+                      vision_config=dict(model_type="pixtral", hidden_size=128, intermediate_size=256,
+                                         num_hidden_layers=1, num_attention_heads=2, image_size=56, patch_size=14),
+                      image_token_index=500, spatial_merge_size=2)),
     # Granite 4.0-h: Mamba and attention layers, experts fused into 3-D `block_sparse_moe.input_linear.weight`
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
                          dict(_COMMON, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2,

@@ -216,3 +216,62 @@ def test_fp8_format_per_tensor_says_who_reads_it(tmp_path, llama_dir):
     assert any("read by vLLM and SGLang; transformers would ignore its scales" in w for w in report.warnings)
     assert not any("transformers" in w for w in convert(llama_dir, tmp_path / "b", scheme="block",
                                                           format="fp8").warnings)
+
+
+def test_multimodal_kept_modules_are_named_as_transformers_loads_them(tmp_path):
+    """Gemma 3 multimodal: transformers 5 loads `vision_tower.encoder...` as `model.vision_tower.encoder...` and
+    `language_model.model.layers.N` as `model.language_model.layers.N`, and matches compressed-tensors' ignore list
+    against the loaded names: listed by checkpoint name alone, the kept vision tower and an --ignore'd MLP got FP8
+    wrappers with no scales (a vision output off by 0.08, NaN logits). Both names are listed; the report keeps the
+    checkpoint's."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from fp8kit.quality import quiet
+
+    src = build_checkpoint(tmp_path / "src", "gemma3_mm", torch.bfloat16, seed=3)
+    report = convert(src, tmp_path / "out", scheme="dynamic", ignore=[r"layers\.0\.mlp\."])
+    ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
+    for name in ("vision_tower.encoder.layers.0.self_attn.q_proj", "language_model.model.layers.0.mlp.up_proj"):
+        assert name in ignore and name in report.ignored
+    for name in ("model.vision_tower.encoder.layers.0.self_attn.q_proj", "model.language_model.layers.0.mlp.up_proj"):
+        assert name in ignore and name not in report.ignored
+    with quiet():
+        ref = Gemma3ForConditionalGeneration.from_pretrained(src, dtype=torch.bfloat16)
+        fp8 = Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    loaded = dict(fp8.named_modules())
+    assert not hasattr(loaded["model.vision_tower.encoder.layers.0.self_attn.q_proj"], "quantization_scheme")
+    assert not hasattr(loaded["model.language_model.layers.0.mlp.up_proj"], "quantization_scheme")
+    assert loaded["model.language_model.layers.1.mlp.up_proj"].weight.dtype == torch.float8_e4m3fn
+    pixels = torch.randn(1, 3, 56, 56, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ref.model.vision_tower(pixel_values=pixels).last_hidden_state,
+                           fp8.model.vision_tower(pixel_values=pixels).last_hidden_state)
+        ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+        result = logit_drift(ref(input_ids=ids).logits.float(), fp8(input_ids=ids).logits.float())
+    assert 0 < result["kl"] < KL_BOUND, result
+
+
+def test_moe_experts_of_one_layer_share_one_status(tmp_path):
+    """One expert --ignore'd among FP8 ones: engines load a layer's experts into fused tensors with one
+    quantization, and transformers 5 loaded the kept expert as zeros or garbage (NaN logits). Every expert of that
+    layer stays in source precision, with a warning; the other layer's experts are FP8."""
+    src = build_checkpoint(tmp_path / "src", "qwen3_moe", torch.bfloat16, seed=4)
+    report = convert(src, tmp_path / "out", scheme="dynamic", ignore=[r"layers\.0\.mlp\.experts\.3\.down_proj"])
+    names = tensors(tmp_path / "out")
+    layer0 = [n for n in names if n.startswith("model.layers.0.mlp.experts.") and n.endswith("_proj.weight")]
+    assert len(layer0) == 4 * 3 and all(names[n] == "BF16" for n in layer0)
+    assert names["model.layers.1.mlp.experts.3.down_proj.weight"] == "F8_E4M3"
+    assert names["model.layers.0.self_attn.q_proj.weight"] == "F8_E4M3"
+    assert any("other experts of their MoE layer" in w and "model.layers.0.mlp.experts" in w for w in report.warnings)
+    result = drift(src, tmp_path / "out")
+    assert 0 < result["kl"] < KL_BOUND, result
+
+
+def test_ignore_pattern_matching_nothing_is_warned(llama_dir, tmp_path):
+    """A pattern written against tensor names (`...o_proj.weight`) matches no module name: the layer was quantized
+    without a word."""
+    report = convert(llama_dir, tmp_path / "out", scheme="dynamic",
+                     ignore=[r"layers\.0\.self_attn\.o_proj\.weight", r"layers\.1\.mlp"])
+    assert "model.layers.0.self_attn.o_proj" in report.quantized
+    warned = [w for w in report.warnings if "matched no weight" in w]
+    assert len(warned) == 1 and "o_proj" in warned[0] and "layers\\\\.1" not in warned[0], warned

@@ -333,3 +333,53 @@ def test_lm_head_named_explicitly_gets_lora_in_fp8_as_in_the_baseline(fp8_dir, s
     assert isinstance(fp8.lm_head, LoRALinear) and fp8.lm_head.rank == 2
     assert lora_modules(fp8).keys() == lora_modules(bf16).keys()
     assert "lm_head" in _leaves(fp8) and isinstance(fp8.model.layers[0].mlp.up_proj, FP8LoRALinear)
+
+
+@pytest.mark.parametrize("arch,model_class", [("gemma3_mm", "Gemma3ForConditionalGeneration"),
+                                              ("mistral3", "Mistral3ForConditionalGeneration")])
+def test_multimodal_models_train_their_language_model(tmp_path, arch, model_class):
+    """Gemma 3 and Mistral 3 checkpoints name their language model `language_model.model.layers.N`, which
+    transformers 5 builds as `model.language_model.layers.N` (and no causal-LM auto class takes Mistral 3's config):
+    loading failed ("quantized module ... has no counterpart"). The checkpoint's names are renamed as from_pretrained
+    renames them; LoRA goes on the language model alone (a vision tower's q_proj has a target's name), the adapter
+    says so for peft, and the forward matches transformers' own load of the FP8 checkpoint within 1e-3 mean KL
+    (transformers keeps these models' dequantized weights in bfloat16; a Llama matches it exactly)."""
+    import warnings
+
+    import transformers
+    from peft import PeftModel
+
+    from fp8kit.quality import logit_drift
+    from fp8kit.rl.loader import checkpoint_mismatches
+
+    src = build_checkpoint(tmp_path / "src", arch, torch.bfloat16, seed=3)
+    out = Path(convert(src, tmp_path / "fp8", scheme="dynamic").out)
+    model = load_fp8_model(out, torch.float32, lora_rank=4, seed=1)
+    assert type(model).__name__ == model_class
+    modules = lora_modules(model)
+    assert len(modules) == 14 and all(".language_model.layers." in n for n in modules)
+    assert all(isinstance(m, FP8LoRALinear) for m in modules.values())
+    assert checkpoint_mismatches(model, out) == []
+    baseline = load_lora_model(src, torch.float32, lora_rank=4, seed=1)
+    assert sorted(lora_modules(baseline)) == sorted(modules)
+    with quiet():
+        reference = getattr(transformers, model_class).from_pretrained(out, dtype=torch.float32)
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        drift = logit_drift(reference(input_ids=ids).logits.float(), model(input_ids=ids).logits.float())
+    assert drift["kl"] < 1e-3, drift
+    for m in modules.values():
+        torch.nn.init.normal_(m.lora_B, std=0.02)  # a trained adapter
+    model(input_ids=ids).logits.float().square().mean().backward()
+    assert all(m.lora_A.grad is not None and m.lora_A.grad.abs().sum() > 0 for m in modules.values())
+    save_adapter(model, tmp_path / "adapter")
+    with quiet(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        peft_model = PeftModel.from_pretrained(getattr(transformers, model_class).from_pretrained(src), tmp_path / "adapter")
+    assert not [w for w in seen if "missing adapter keys" in str(w.message)]
+    assert sorted(n[: -len(".lora_A")] for n, _ in peft_model.named_modules() if n.endswith(".lora_A")) == \
+        sorted(f"base_model.model.{n}" for n in modules)
+    reloaded = load_fp8_model(out, torch.float32, lora_rank=4, seed=2)
+    load_adapter(reloaded, tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)

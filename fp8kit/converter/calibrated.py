@@ -14,6 +14,7 @@ from pathlib import Path
 from fp8kit.converter import source
 from fp8kit.converter.calibration import calibration_samples, kv_cache_scheme, model_run_error
 from fp8kit.converter.formats import ignore_list
+from fp8kit.loaded_names import loaded_names
 from fp8kit.converter.output import atomic_directory, check_out
 from fp8kit.converter.schemes import SCHEMES
 from fp8kit.converter.select import natural_key, select
@@ -109,7 +110,7 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
         if missed:
             warnings.append(f"{len(missed)} weights stay in source precision because llm-compressor quantizes torch "
                             f"Linear modules only: {', '.join(missed[:4])}{' ...' if len(missed) > 4 else ''}")
-        ignored = _write_ignore(partial, sel.keep + missed, written)
+        ignored = _write_ignore(partial, src_path, sel.keep + missed, written)
     files = source.folder_files(out)
     return ConvertReport(
         src=str(src), out=str(out), scheme="tensor-static", format="compressed-tensors", device=str(model.device),
@@ -150,19 +151,21 @@ def _checkpoint_names(model, weights: dict) -> dict[str, str]:
         return {name: name for name in weights}
 
 
-def _write_ignore(folder: Path, kept: list[str], quantized: set[str]) -> list[str]:
+def _write_ignore(folder: Path, src: Path, kept: list[str], quantized: set[str]) -> list[str]:
     """The config's ignore list made to say what was written: every Linear weight left in source precision, by
-    its name in the checkpoint (llm-compressor lists only the modules it matched, and misses torch Linear
-    subclasses such as nn.MultiheadAttention's out_proj)."""
+    its name in the checkpoint and, where transformers renames it on loading, by that name too (fp8kit.loaded_names;
+    llm-compressor lists only the loaded names of the modules it matched, and misses torch Linear subclasses such as
+    nn.MultiheadAttention's out_proj). Returns the checkpoint names."""
     import json
 
     path = folder / "config.json"
     config = json.loads(path.read_text())
     qc = config["quantization_config"]
     theirs = [name for name in qc.get("ignore") or [] if name not in quantized]
-    qc["ignore"] = ignore_list(sorted(set(kept) | set(theirs)))
+    kept = sorted(set(kept) | set(theirs))
+    qc["ignore"] = ignore_list(kept, loaded=loaded_names(src, kept))
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return qc["ignore"]
+    return ignore_list(kept)
 
 
 def _fp8_modules(folder: Path) -> list[str]:

@@ -21,17 +21,21 @@ def quantization_args(strategy: str, dynamic: bool, group_size=None, block=None,
             "scale_dtype": None, "strategy": strategy, "symmetric": True, "type": "float", "zp_dtype": None}
 
 
-def ignore_list(kept: list[str], lm_head: bool = False) -> list[str]:
+def ignore_list(kept: list[str], lm_head: bool = False, loaded: dict[str, str] | None = None) -> list[str]:
     """llm-compressor's recipes always name lm_head (tied or not) unless it is quantized; every other Linear
-    left in source precision must be named too, or loaders would look for its scales."""
-    return sorted(set(kept) | (set() if lm_head else {"lm_head"}), key=natural_key)
+    left in source precision must be named too, or loaders would look for its scales. `loaded` ({checkpoint name:
+    loaded name}, from fp8kit.loaded_names.loaded_names) adds the names transformers gives those modules once loaded."""
+    kept = set(kept) | {(loaded or {}).get(name, name) for name in kept}
+    return sorted(kept | (set() if lm_head else {"lm_head"}), key=natural_key)
 
 
-def quantization_config(scheme: Scheme, fmt: str, kept: list[str], lm_head: bool = False) -> dict:
+def quantization_config(scheme: Scheme, fmt: str, kept: list[str], lm_head: bool = False,
+                        loaded: dict[str, str] | None = None) -> dict:
     """`lm_head=True`: lm_head is quantized too. vLLM matches its ParallelLMHead by name only ("Linear" is a
     class-name target, and ParallelLMHead is not one), so the name joins the targets (vLLM 0.25
-    compressed_tensors.py get_quant_method; its Fp8Config has no lm_head path, hence compressed-tensors only)."""
-    ignore = ignore_list(kept, lm_head)
+    compressed_tensors.py get_quant_method; its Fp8Config has no lm_head path, hence compressed-tensors only).
+    `loaded`: see ignore_list."""
+    ignore = ignore_list(kept, lm_head, loaded)
     if fmt == "fp8":
         config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                   "ignored_layers": ignore, "modules_to_not_convert": ignore}

@@ -74,12 +74,24 @@ def is_fused_weight(name: str, module: str, info: TensorInfo) -> bool:
     return not any("conv" in part for part in module.split("."))
 
 
+EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
+
+
 def _sibling_group(module: str) -> tuple[str, int] | None:
     parent, _, leaf = module.rpartition(".")
     for i, group in enumerate(SIBLINGS):
         if leaf in group:
             return parent, i
     return None
+
+
+def _expert_group(module: str) -> str | None:
+    """The MoE layer of a per-expert weight (`...mlp.experts.3.down_proj` -> `...mlp.experts`): engines load a
+    layer's experts into fused tensors with one quantization (vLLM's FusedMoE takes one scheme per layer,
+    transformers 5 fuses them into 3-D parameters), so one expert kept in source precision among FP8 ones loads
+    as zeros or garbage."""
+    match = EXPERT.match(module)
+    return match.group(1) if match else None
 
 
 def _check_source_dtype(info: TensorInfo) -> None:
@@ -151,6 +163,16 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
             for m in members:
                 if wanted[m]:
                     wanted[m], reason[m] = False, "sibling"
+    experts: dict[str, list[str]] = {}  # every projection of every expert of one MoE layer: one status
+    for module in wanted:
+        layer = _expert_group(module)
+        if layer is not None:
+            experts.setdefault(layer, []).append(module)
+    for members in experts.values():
+        if not all(wanted[m] for m in members):
+            for m in members:
+                if wanted[m]:
+                    wanted[m], reason[m] = False, "experts"
     by_shape = [m for m in wanted if reason.get(m) == "shape"]
     if by_shape:
         sel.warnings.append(
@@ -161,6 +183,19 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
         sel.warnings.append(
             f"{len(by_sibling)} weights kept in source precision with a fused sibling (q/k/v, gate/up): "
             f"{', '.join(by_sibling[:4])}{' ...' if len(by_sibling) > 4 else ''}")
+    by_experts = [m for m in wanted if reason.get(m) == "experts"]
+    if by_experts:
+        layers = sorted({_expert_group(m) for m in by_experts}, key=natural_key)
+        sel.warnings.append(
+            f"{len(by_experts)} expert weights kept in source precision with the other experts of their MoE layer "
+            f"(engines load a layer's experts with one quantization): {', '.join(layers[:4])}"
+            f"{' ...' if len(layers) > 4 else ''}")
+    unmatched = [p.pattern for p in patterns
+                 if not any(p.search(_module(name)) for name in tensors)]
+    if unmatched:
+        sel.warnings.append(
+            f"--ignore {', '.join(repr(u) for u in unmatched)} matched no weight: patterns are searched in module "
+            f"names (e.g. {next((m for m in wanted), 'model.layers.0.mlp.down_proj')}), without '.weight'")
     for module, q in wanted.items():
         (sel.quantize if q else sel.keep).append(module)
     if lm_head:

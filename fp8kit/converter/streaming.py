@@ -22,7 +22,8 @@ import torch
 
 from fp8kit.converter import source
 from fp8kit.converter.calibration import KV_CACHE_DTYPES, kv_cache_scales, kv_cache_scheme
-from fp8kit.converter.formats import FORMATS, quantization_config, scale_name
+from fp8kit.converter.formats import FORMATS, ignore_list, quantization_config, scale_name
+from fp8kit.loaded_names import loaded_names
 from fp8kit.converter.output import atomic_directory, check_out
 from fp8kit.converter.safetensors_io import (DTYPES, ITEMSIZE, OutTensor, TensorInfo, layout,
                                              read_bytes, save_small, to_tensor, write_all)
@@ -368,7 +369,8 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     files_out = len(shards) + (1 if kv_cache else 0)  # KV-cache scales: a shard of their own, last
     names = (["model.safetensors"] if files_out == 1 else
              [f"model-{i + 1:05d}-of-{files_out:05d}.safetensors" for i in range(files_out)])
-    config["quantization_config"] = quantization_config(spec, format, sel.keep, lm_head=lm_head)
+    config["quantization_config"] = quantization_config(spec, format, sel.keep, lm_head=lm_head,
+                                                        loaded=loaded_names(src_path, sel.keep))
     bytes_in = sum(info.nbytes for info in tensors.values())
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -418,8 +420,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     files = source.folder_files(out)
     return ConvertReport(
         src=str(src), out=str(out), scheme=scheme, format=format, device=str(dev),
-        quantized=sel.quantize, ignored=config["quantization_config"].get("ignore",
-                                                                           config["quantization_config"].get("ignored_layers")),
+        quantized=sel.quantize, ignored=ignore_list(sel.keep, lm_head),  # by checkpoint name (the config adds loaded ones)
         bytes_in=bytes_in, bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
         peak_rss_bytes=peak_rss_bytes(),
         peak_gpu_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from fp8kit.converter.select import NOT_LANGUAGE
 from fp8kit.errors import Fp8kitError
 from fp8kit.rl.bf16_lora import LoRALinear
 from fp8kit.rl.fp8_linear import GROUP, FP8LoRALinear
@@ -196,17 +197,21 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
     the converter kept, e.g. block FP8's MLP of a width that is no multiple of 128) named in `targets` become the
     BF16 LoRALinear, so an FP8 model and its BF16 baseline carry LoRA on the same modules. LoRA A is drawn from
     `seed` (seed_lora); `device`: where the tensors live (None: vLLM's GPU)."""
-    from transformers import AutoModelForCausalLM
+    from fp8kit.loaded_names import key_renamer
 
     with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = _model_for(config, dtype, where)
+    # the checkpoint's names as the model has them (Gemma 3 multimodal's `language_model.model.layers.N` is
+    # `model.language_model.layers.N` once built), as from_pretrained renames them
+    rename = key_renamer(model)
+    tensors = {rename(k): get for k, get in tensors.items()}
     scale_suffix = next((s for s in ("weight_scale_inv", "weight_scale") if any(k.endswith("." + s) for k in tensors)),
                         None) if scheme else None
     quantized = {k[: -len(".weight")] for k in tensors if k.endswith(".weight")
                  and k[: -len("weight")] + str(scale_suffix) in tensors} if scheme else set()
     plain = {n for n, m in model.named_modules()
              if isinstance(m, nn.Linear) and n + ".weight" in tensors and n not in quantized}
-    leaves = {n.rsplit(".", 1)[-1] for n in quantized | plain}
+    leaves = {n.rsplit(".", 1)[-1] for n in quantized | plain if not NOT_LANGUAGE.search(n)}
     if lora_rank:
         # every target named by the caller must exist; of the defaults, at least one (architectures differ)
         unmatched = sorted(targets - leaves) if targets != set(DEFAULT_TARGETS) else []
@@ -223,7 +228,10 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
                     f"writes them), which fp8kit's block layers cannot compute; convert the source model again with "
                     f"`fp8-convert SRC OUT --scheme block`, which keeps such Linears in source precision")
     # every quantized Linear becomes an FP8 layer (LoRA only on targets); of the others only the targets change
-    lora_linears = quantized | ({n for n in plain if n.rsplit(".", 1)[-1] in targets} if lora_rank else set())
+    # a vision or audio tower's Linears stay as they are: text-only GRPO never runs them, and vLLM puts LoRA on the
+    # language model alone
+    lora_linears = quantized | ({n for n in plain if n.rsplit(".", 1)[-1] in targets and not NOT_LANGUAGE.search(n)}
+                                if lora_rank else set())
     # the layers' own LoRA initialisation draws from the global generators: forked, so the caller's random state
     # stays as it was; seed_lora then draws every A from the seed
     with torch.random.fork_rng(devices=_rng_devices(device)):
@@ -267,6 +275,22 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
     model.save_pretrained = types.MethodType(_save_pretrained, model)
     model.push_to_hub = types.MethodType(_push_to_hub, model)
     return model
+
+
+def _model_for(config, dtype: torch.dtype, where: str) -> nn.Module:
+    """The model AutoModelForCausalLM builds for the config, else the class config.json's `architectures` names
+    (Mistral 3's Mistral3ForConditionalGeneration, which no causal-LM auto class maps): what vLLM builds too."""
+    import transformers
+
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except ValueError as e:
+        named = (getattr(config, "architectures", None) or [""])[0]
+        model_class = getattr(transformers, named, None) if named else None
+        if model_class is None or not hasattr(model_class, "_from_config"):
+            raise Fp8kitError(f"{where}: transformers has no causal language model for model_type "
+                              f"{config.model_type!r} ({_one_line(e)}); a newer transformers may be needed") from e
+        return model_class._from_config(config, dtype=dtype)
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
@@ -417,7 +441,10 @@ def checkpoint_mismatches(model: nn.Module, path: str | Path) -> list[str]:
     """The model's base tensors whose values differ from the checkpoint's. For a model assembled from another
     engine's parameters (vLLM) this proves the views are the checkpoint's own values, split and transposed
     right. Per-tensor FP8 layers are skipped: vLLM re-quantizes fused shards to one shared scale."""
-    tensors = _checkpoint_tensors(Path(path), torch.device("cpu"))
+    from fp8kit.loaded_names import key_renamer
+
+    rename = key_renamer(model)  # the checkpoint's names as the model has them (assemble)
+    tensors = {rename(k): get for k, get in _checkpoint_tensors(Path(path), torch.device("cpu")).items()}
     differing = []
     for name, mine in list(model.named_parameters()) + list(model.named_buffers()):
         module_name, _, leaf = name.rpartition(".")
@@ -500,6 +527,12 @@ def _adapter_payload(model: nn.Module, base_model_name_or_path: str | None) -> t
               "bias": "none", "fan_in_fan_out": False,
               "target_modules": sorted({n.rsplit(".", 1)[-1] for n in modules}),
               "base_model_name_or_path": base_model_name_or_path, "inference_mode": True}
+    leaves = set(config["target_modules"])
+    if any(isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in leaves and NOT_LANGUAGE.search(n)
+           for n, m in model.named_modules()):
+        # a vision tower's q_proj has a target's name but no LoRA here (assemble): peft would add one to it, and warn
+        # that the adapter lacks its weights (a regex, fully matched, as peft reads a string; vLLM ignores the key)
+        config["exclude_modules"] = f".*{NOT_LANGUAGE.pattern}.*"
     return tensors, config
 
 

@@ -1,0 +1,72 @@
+"""The names transformers gives a checkpoint's tensors once it loads them.
+
+transformers 5 renames some architectures' weights on loading (Gemma 3's `language_model.model.layers.N` and
+`vision_tower.encoder` are `model.language_model.layers.N` and `model.vision_tower.encoder` in memory; Qwen2.5-VL's
+`visual.` is `model.visual.`) and writes the checkpoint's names back on saving. Whatever meets the loaded model
+(compressed-tensors' ignore list, our training loader filling a model built from config) needs the loaded names.
+The renaming is transformers' own, the conversion mapping from_pretrained applies (transformers.conversion_mapping),
+never a table of ours.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def key_renamer(model: torch.nn.Module) -> Callable[[str], str]:
+    """checkpoint tensor name -> the name `model` (built from its config, on any device) has for it: what
+    from_pretrained would do. The identity where transformers renames nothing for the architecture, or predates
+    5.0. Renamings only: a converter (MoE experts fused into 3-D tensors) changes shapes, not just names, and
+    such a tensor keeps its name."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return lambda name: name
+    conversions = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
+    if not conversions:
+        return lambda name: name
+    meta = dict.fromkeys(model.state_dict(), True)  # decides whether the base model's prefix is added or stripped
+    converters: list[WeightConverter] = []
+
+    def rename(name: str) -> str:
+        return rename_source_key(name, conversions, converters, model.base_model_prefix, meta)[0]
+    return rename
+
+
+def loaded_names(src: Path, modules: list[str]) -> dict[str, str]:
+    """{checkpoint module name: its name in the model transformers loads}, for the Linear modules whose names differ.
+
+    transformers matches compressed-tensors' `ignore` against the loaded names only (quantizer_compressed_tensors.py
+    passes ct_config.ignore to compressed-tensors' apply_quantization_config), so a kept module listed by its
+    checkpoint name alone got an FP8 wrapper whose scales the checkpoint lacks: NaN logits or a silently wrong vision
+    tower. vLLM maps the names it reads through the model's hf_to_vllm_mapper, which takes both forms, so the ignore
+    list names both. The model is built from config.json on the meta device: no weight is read. Empty where
+    transformers renames nothing, cannot build the architecture, or predates 5.0."""
+    if not modules:
+        return {}
+    try:
+        import transformers
+
+        from fp8kit.quality import quiet
+
+        with quiet():
+            config = transformers.AutoConfig.from_pretrained(src)
+            model_class = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
+            if model_class is None:
+                return {}
+            with torch.device("meta"):
+                model = model_class(config)
+        rename = key_renamer(model)
+        linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+        names = {}
+        for module in modules:
+            renamed = rename(f"{module}.weight").removesuffix(".weight")
+            if renamed != module and renamed in linears:
+                names[module] = renamed
+        return names
+    except Exception:  # noqa: BLE001 - an architecture transformers cannot build on meta, or a renaming it fails
+        return {}
