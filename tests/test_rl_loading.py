@@ -335,6 +335,15 @@ def test_lm_head_named_explicitly_gets_lora_in_fp8_as_in_the_baseline(fp8_dir, s
     assert "lm_head" in _leaves(fp8) and isinstance(fp8.model.layers[0].mlp.up_proj, FP8LoRALinear)
 
 
+def test_lora_on_a_tied_lm_head_is_refused_as_such(tmp_path):
+    """Qwen3 ties lm_head to the embeddings: naming it said it "matches no Linear of the model", though it is one."""
+    src = build_checkpoint(tmp_path / "src", "qwen3", torch.bfloat16, seed=1)
+    out = Path(convert(src, tmp_path / "fp8", scheme="dynamic").out)
+    for load, path in ((load_fp8_model, out), (load_lora_model, src)):
+        with pytest.raises(Fp8kitError, match="ties lm_head to its input embeddings.*leave 'lm_head' out"):
+            load(path, torch.float32, lora_rank=2, target_modules=["lm_head", "q_proj"])
+
+
 @pytest.mark.parametrize("arch,model_class", [("gemma3_mm", "Gemma3ForConditionalGeneration"),
                                               ("mistral3", "Mistral3ForConditionalGeneration")])
 def test_multimodal_models_train_their_language_model(tmp_path, arch, model_class):

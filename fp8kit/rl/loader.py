@@ -215,6 +215,11 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
     if lora_rank:
         # every target named by the caller must exist; of the defaults, at least one (architectures differ)
         unmatched = sorted(targets - leaves) if targets != set(DEFAULT_TARGETS) else []
+        if "lm_head" in unmatched and isinstance(getattr(model, "lm_head", None), nn.Linear):
+            # tied: its weight is the embeddings' (no lm_head.weight in the checkpoint), which LoRALinear cannot
+            # share, and vLLM puts no LoRA on lm_head
+            raise Fp8kitError(f"{where}: target_modules 'lm_head': this model ties lm_head to its input embeddings, "
+                              f"and LoRA on a tied lm_head is not supported; leave 'lm_head' out")
         if unmatched or not targets & leaves:
             raise Fp8kitError(f"{where}: target_modules {(unmatched or sorted(targets))[0]!r} matches no Linear of the "
                               f"model; its Linears are {', '.join(sorted(leaves))}")
