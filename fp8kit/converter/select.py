@@ -85,7 +85,7 @@ def _sibling_group(module: str) -> tuple[str, int] | None:
     return None
 
 
-def _expert_group(module: str) -> str | None:
+def expert_layer(module: str) -> str | None:
     """The MoE layer of a per-expert weight (`...mlp.experts.3.down_proj` -> `...mlp.experts`): engines load a
     layer's experts into fused tensors with one quantization (vLLM's FusedMoE takes one scheme per layer,
     transformers 5 fuses them into 3-D parameters), so one expert kept in source precision among FP8 ones loads
@@ -165,7 +165,7 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
                     wanted[m], reason[m] = False, "sibling"
     experts: dict[str, list[str]] = {}  # every projection of every expert of one MoE layer: one status
     for module in wanted:
-        layer = _expert_group(module)
+        layer = expert_layer(module)
         if layer is not None:
             experts.setdefault(layer, []).append(module)
     for members in experts.values():
@@ -185,7 +185,7 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
             f"{', '.join(by_sibling[:4])}{' ...' if len(by_sibling) > 4 else ''}")
     by_experts = [m for m in wanted if reason.get(m) == "experts"]
     if by_experts:
-        layers = sorted({_expert_group(m) for m in by_experts}, key=natural_key)
+        layers = sorted({expert_layer(m) for m in by_experts}, key=natural_key)
         sel.warnings.append(
             f"{len(by_experts)} expert weights kept in source precision with the other experts of their MoE layer "
             f"(engines load a layer's experts with one quantization): {', '.join(layers[:4])}"
