@@ -61,6 +61,8 @@ def pretrain(directory: Path, seed: int, steps: int = 300) -> Path:
         return directory
     import shutil
 
+    from fp8kit.rl.grpo import prompt_token_ids
+
     final, directory = directory, directory.with_name(directory.name + ".partial")
     shutil.rmtree(directory, ignore_errors=True)  # built aside and renamed: a killed run leaves no half model
     tokenizer = make_tokenizer(directory)
@@ -73,12 +75,14 @@ def pretrain(directory: Path, seed: int, steps: int = 300) -> Path:
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(steps):
-        texts = []
+        rows = []
         for _ in range(64):
             p = prompt_text(rng)
             answer = p[-2] * ANSWER if rng.random() < COPY_SHARE else "".join(rng.choice(DIGITS) for _ in range(ANSWER))
-            texts.append(p + answer + "</s>")
-        ids = torch.tensor([tokenizer(t)["input_ids"] for t in texts])
+            # the prompt tokenized as train() will tokenize it (its BOS included), the answer after it as is
+            rows.append(prompt_token_ids(tokenizer, p)
+                        + tokenizer(answer + "</s>", add_special_tokens=False)["input_ids"])
+        ids = torch.tensor(rows)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()

@@ -246,8 +246,8 @@ def test_learning_rate_schedules():
     assert learning_rate_at(c, 1) == 1.0
     assert learning_rate_at(c, 6) == pytest.approx(0.5)  # halfway: 0.5 * (1 + cos(pi / 2))
     assert learning_rate_at(c, 10) == pytest.approx(0.5 * (1 + math.cos(0.9 * math.pi)))  # the last step still learns
-    assert GRPOConfig(loss_type="dapo").epsilon_high == 0.28
-    assert GRPOConfig(loss_type="dr_grpo").scale_rewards == "none"
+    assert GRPOConfig(loss_type="dapo").effective_epsilon_high == 0.28
+    assert GRPOConfig(loss_type="dr_grpo").effective_scale_rewards == "none"
 
 
 def test_bad_input(tiny_fp8, tmp_path):
@@ -520,3 +520,125 @@ def test_reward_functions_get_every_column_at_every_step(tiny_fp8):
                                                max_completion_length=2))
     want = {"the quick": ("fox", None), "lazy dog": (None, None), "brown fox": (None, 3)}
     assert len(seen) == 4 and all(want[p] == (a, t) for step in seen for p, a, t in step)
+
+
+def test_loss_type_defaults_follow_the_loss_type():
+    """epsilon_high and scale_rewards were resolved from loss_type in __post_init__: dataclasses.replace(GRPOConfig(),
+    loss_type="dapo") kept epsilon_high 0.2, and replace(GRPOConfig(loss_type="dapo"), loss_type="grpo") kept 0.28.
+    Unset, they follow the current loss_type (and epsilon); set, they stand whatever the loss type."""
+    from dataclasses import replace
+
+    from fp8kit.rl.grpo_loss import LOSS_TYPES
+
+    base = GRPOConfig()
+    assert base.epsilon_high is None and base.scale_rewards is None
+    dapo, dr = replace(base, loss_type="dapo"), replace(base, loss_type="dr_grpo")
+    assert (dapo.effective_epsilon_high, dapo.effective_scale_rewards) == (0.28, "group")
+    assert (dr.effective_epsilon_high, dr.effective_scale_rewards) == (0.2, "none")
+    for back in (replace(GRPOConfig(loss_type="dapo"), loss_type="grpo"), replace(dr, loss_type="grpo")):
+        assert (back.effective_epsilon_high, back.effective_scale_rewards) == (0.2, "group")
+    assert replace(base, epsilon=0.1).effective_epsilon_high == 0.1
+    assert replace(dapo, epsilon=0.1).effective_epsilon_high == 0.28
+    for explicit in (GRPOConfig(epsilon_high=0.3, scale_rewards="batch"), GRPOConfig(epsilon_high=0.0,
+                                                                                      scale_rewards=False)):
+        for loss_type in LOSS_TYPES:
+            moved = replace(explicit, loss_type=loss_type)
+            assert (moved.epsilon_high, moved.scale_rewards) == (explicit.epsilon_high, explicit.scale_rewards)
+            assert (moved.effective_epsilon_high, moved.effective_scale_rewards) == (
+                explicit.epsilon_high, explicit.scale_rewards)
+    assert GRPOConfig(scale_rewards=True).scale_rewards == "group"  # a bool is stored as TRL's string
+    config = GRPOConfig()
+    config.loss_type = "dr_grpo"  # an attribute set after construction is followed too
+    assert config.effective_scale_rewards == "none"
+    config.scale_rewards = True
+    assert config.effective_scale_rewards == "group"
+
+
+def test_train_uses_and_checkpoints_the_loss_types_defaults(tiny_fp8, tmp_path, monkeypatch):
+    """The loss and the advantages get the values of the config's current loss_type; the checkpoint keeps the fields
+    as set (None: by loss type, so the saved config still follows a later loss_type) and records the values used."""
+    from dataclasses import replace
+
+    from fp8kit.rl import grpo
+
+    seen = []
+    loss, advantages = grpo.policy_loss, grpo.group_advantages
+    monkeypatch.setattr(grpo, "policy_loss", lambda *a, **k: seen.append(("epsilon_high", a[6])) or loss(*a, **k))
+    monkeypatch.setattr(grpo, "group_advantages",
+                        lambda *a, **k: seen.append(("scale_rewards", k["scale_rewards"])) or advantages(*a, **k))
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    base = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
+    for loss_type, epsilon_high, scale in (("dapo", 0.28, "group"), ("dr_grpo", 0.2, "none")):
+        seen.clear()
+        config = replace(base, loss_type=loss_type, output_dir=str(tmp_path / loss_type), save_steps=1)
+        train(model, tok, ["the quick"], lambda completions, **_: [len(c) for c in completions], config)
+        assert seen == [("scale_rewards", scale), ("epsilon_high", epsilon_high)], seen
+        state = json.loads((tmp_path / loss_type / "checkpoint-1" / "trainer_state.json").read_text())
+        assert state["config"]["epsilon_high"] is None and state["config"]["scale_rewards"] is None
+        assert state["effective"] == {"epsilon_high": epsilon_high, "scale_rewards": scale}
+        saved = GRPOConfig(**state["config"])
+        assert saved == config
+        assert replace(saved, loss_type="grpo").effective_epsilon_high == 0.2
+
+
+def _llama3_style(tok):
+    """The tiny tokenizer made to behave as Llama 3's or Gemma 3's: it adds BOS itself, and its chat template
+    begins with {{ bos_token }}."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    assert tok("the quick")["input_ids"][0] == tok.bos_token_id
+    return tok
+
+
+def test_chat_prompts_reach_the_engine_and_the_trainer_with_one_bos(tiny_fp8, monkeypatch):
+    """A prompt made with apply_chat_template(tokenize=False) already begins with BOS: tokenized again with special
+    tokens on, the rollout and the trainer saw <s><s>. Text that begins with bos_token is now taken as it is, plain
+    text still gets the tokenizer's BOS, and a conversation goes through the chat template: each reaches the engine
+    and the trainer with one BOS, and the max_seq_length check counts it once."""
+    from fp8kit.rl import grpo
+    from fp8kit.rl.rollout import HFRollout
+
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    tok, bos = _llama3_style(tok), tok.bos_token_id
+    messages = [{"role": "user", "content": "the quick fox"}]
+    templated = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert templated.startswith(tok.bos_token) and tok(templated)["input_ids"][:2] == [bos, bos]  # the bug's input
+    chat_ids = tok(templated, add_special_tokens=False)["input_ids"]
+    text_ids = [bos, *tok("the quick fox", add_special_tokens=False)["input_ids"]]
+    assert chat_ids[:2] != [bos, bos]
+
+    engine, trainer, rewarded = [], [], []
+
+    class Spy(HFRollout):
+        def generate(self, prompt_ids, *args, **kwargs):
+            engine.extend(prompt_ids)
+            return super().generate(prompt_ids, *args, **kwargs)
+
+    batch = grpo._batch
+    monkeypatch.setattr(grpo, "_batch", lambda prompt_ids, *a: trainer.extend(prompt_ids) or batch(prompt_ids, *a))
+
+    def reward(prompts, completions, **_):
+        rewarded.append((prompts[0], completions[0]))
+        return [0.0] * len(completions)
+
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=3)
+    for prompts, want in (([templated], chat_ids), ([messages], chat_ids), ([{"prompt": messages}], chat_ids),
+                          (["the quick fox"], text_ids)):
+        engine.clear(), trainer.clear(), rewarded.clear()
+        train(model, tok, prompts, reward, config, rollout=Spy(model, tok))
+        assert engine == [want] and trainer == [want], (prompts, engine, trainer)
+        prompt, completion = rewarded[0]
+        if isinstance(prompts[0], str):
+            assert prompt == prompts[0] and isinstance(completion, str)
+        else:  # TRL's conversational convention: the messages, and each completion as an assistant message
+            assert prompt == messages and completion == [{"role": "assistant", "content": completion[0]["content"]}]
+            assert isinstance(completion[0]["content"], str)
+    model.max_seq_length = len(chat_ids) + 1  # room for one completion token: accepted
+    train(model, tok, [templated], reward, config)
+    model.max_seq_length = len(chat_ids)
+    for prompts in ([templated], [messages]):
+        with pytest.raises(Fp8kitError, match=f"prompt 0 has {len(chat_ids)} tokens, and max_seq_length"):
+            train(model, tok, prompts, reward, config)

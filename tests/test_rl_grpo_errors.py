@@ -125,8 +125,9 @@ def test_a_bare_string_of_prompts_and_no_reward_functions_are_refused(tiny_fp8):
                                           (False, "none"), ("none", "none")])
 def test_scale_rewards_takes_trls_values(value, stored):
     """Any truthy value meant the group std: "none" and "batch" divided by it too."""
-    assert GRPOConfig(scale_rewards=value).scale_rewards == stored
-    assert GRPOConfig(loss_type="dr_grpo", scale_rewards=value).scale_rewards == (
+    assert GRPOConfig(scale_rewards=value).scale_rewards == (None if value is None else stored)  # None: by loss type
+    assert GRPOConfig(scale_rewards=value).effective_scale_rewards == stored
+    assert GRPOConfig(loss_type="dr_grpo", scale_rewards=value).effective_scale_rewards == (
         "none" if value is None else stored)  # Dr. GRPO's default only; an explicit choice stands
 
 
@@ -213,3 +214,34 @@ def test_reward_values_must_be_numbers(tiny_fp8):
                         on_step=seen.append)
         assert len(history) == 1
     assert [m["reward_mean"] for m in seen] == [0.5, 0.75, 0.5, 0.75, 0.75, 1.0, 0.75, 0.75, 0.75, 0.75]
+
+
+def test_conversations_that_cannot_be_rendered_are_refused_in_one_line(tiny_fp8):
+    """Conversational prompts (TRL's lists of role/content messages) need the tokenizer's chat template; a template
+    that raises, a mix of text and conversations, or one conversation passed as the prompt list is one line before
+    any rollout."""
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    assert not tok.chat_template
+    calls = []
+
+    def reward(completions, **_):
+        calls.append(1)
+        return [0.0] * len(completions)
+
+    messages = [{"role": "user", "content": "the quick"}]
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
+    for prompts, start in (([messages], "prompt 0: a conversation needs the tokenizer's chat template"),
+                           (["the quick", messages], "prompts: prompt 0 is text and prompt 1 is not"),
+                           ([{"prompt": messages}, "lazy dog"], "prompts: prompt 0 is a conversation and prompt 1"),
+                           (messages, "prompts: this is one conversation"),
+                           ([[{"role": "user"}]], "prompts: expected a non-empty list of strings, of conversations"),
+                           ([[]], "prompts: expected a non-empty list")):
+        with pytest.raises(Fp8kitError) as e:
+            train(model, tok, prompts, [reward], config)
+        assert str(e.value).startswith(start) and "\n" not in str(e.value), e.value
+    tok.chat_template = "{{ raise_exception('Conversation roles must alternate\nuser/assistant') }}"
+    with pytest.raises(Fp8kitError) as e:
+        train(model, tok, [messages, messages], [reward], config)
+    assert str(e.value) == ("prompt 0: the tokenizer's chat template failed on it (TemplateError: Conversation roles "
+                            "must alternate user/assistant)"), e.value
+    assert not calls

@@ -44,10 +44,12 @@ class GRPOConfig:
     top_p: float = 1.0  # < 1: engines and trainer score the nucleus-renormalized distribution (outside_nucleus)
     loss_type: str = "grpo"  # grpo | dr_grpo | dapo | gspo
     epsilon: float = 0.2
-    epsilon_high: float | None = None  # None: epsilon, except dapo's clip-higher 0.28 (DAPO paper)
+    # None: by loss_type, epsilon except dapo's clip-higher 0.28 (DAPO paper); read through effective_epsilon_high
+    epsilon_high: float | None = None
     beta: float = 0.0  # KL penalty against the base model (adapters disabled)
     # as TRL: True or "group" divides advantages by the group's std, "batch" by the whole batch's (the mean stays the
-    # group's), False or "none" not at all; None: "group", except "none" for dr_grpo. Stored as the string.
+    # group's), False or "none" not at all (a bool is stored as its string); None: by loss_type, "group" except
+    # "none" for dr_grpo; read through effective_scale_rewards
     scale_rewards: bool | str | None = None
     importance_sampling: bool = True  # truncated IS with the rollout engine's log-probabilities
     importance_sampling_cap: float = 2.0
@@ -122,12 +124,31 @@ class GRPOConfig:
             check_output_dir(self.output_dir)
         if self.save_steps and not self.output_dir:
             raise Fp8kitError("save_steps needs output_dir")
-        if self.epsilon_high is None:
-            self.epsilon_high = 0.28 if self.loss_type == "dapo" else self.epsilon
-        if self.scale_rewards is None:
-            self.scale_rewards = "none" if self.loss_type == "dr_grpo" else "group"  # Dr. GRPO drops the std division
-        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        # epsilon_high and scale_rewards stay None here when unset (see the effective_ properties): resolved now, the
+        # loss type's default would look like the user's choice to dataclasses.replace, which calls __init__ again
+        if isinstance(self.scale_rewards, bool):
+            self.scale_rewards = "group" if self.scale_rewards else "none"
         self.adam_betas = tuple(self.adam_betas)
+
+    @property
+    def effective_epsilon_high(self) -> float:
+        """The upper clip range the loss uses: epsilon_high as set, else by the current loss_type (DAPO's
+        clip-higher 0.28, otherwise epsilon). Read at each use, never stored: `dataclasses.replace(config,
+        loss_type="dapo")`, or setting the attribute, then gets dapo's default, and leaving dapo drops it."""
+        if self.epsilon_high is not None:
+            return self.epsilon_high
+        return 0.28 if self.loss_type == "dapo" else self.epsilon
+
+    @property
+    def effective_scale_rewards(self) -> str:
+        """How advantages are divided: scale_rewards as set ("group", "batch" or "none"; a bool assigned after
+        construction is read as TRL reads it), else by the current loss_type: "none" for dr_grpo (Dr. GRPO drops
+        the std division), "group" otherwise. Resolved at each use, as effective_epsilon_high."""
+        if self.scale_rewards is None:
+            return "none" if self.loss_type == "dr_grpo" else "group"
+        if isinstance(self.scale_rewards, bool):
+            return "group" if self.scale_rewards else "none"
+        return self.scale_rewards
 
 
 def check_output_dir(output_dir: str | os.PathLike) -> None:
@@ -200,6 +221,41 @@ def _config(config) -> GRPOConfig:
     raise Fp8kitError(f"config={config!r:.60}: expected a GRPOConfig, a dict of its fields, or None for the defaults")
 
 
+def is_conversation(prompt) -> bool:
+    """A prompt in TRL's conversational format: a non-empty list of {"role": ..., "content": ...} messages."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt))
+
+
+def prompt_token_ids(tokenizer, prompt) -> list[int]:
+    """The token ids a prompt reaches both rollout engines and the trainer as: train() tokenizes prompts here
+    only (its length check and every step), and the engines take these ids as they are.
+
+    A string gets the tokenizer's special tokens (the BOS that Llama and Gemma expect before plain text) unless it
+    already begins with bos_token: text made with apply_chat_template(..., tokenize=False) does (Llama 3's and Gemma
+    3's templates render {{ bos_token }}), and with special tokens on it became <bos><bos>, a start the model never
+    saw. TRL is no precedent to copy: its GRPOTrainer tokenized prompt text with add_special_tokens=False up to
+    v0.25 (no BOS at all before a plain-text prompt on Llama) and with special tokens on since v0.26 (two BOS before
+    templated text, as here before).
+    A conversation (is_conversation) goes through the tokenizer's chat template with add_generation_prompt=True,
+    as TRL does, and is tokenized without special tokens, as apply_chat_template(tokenize=True) does: the template
+    alone decides the BOS."""
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        if bos and prompt.startswith(bos):
+            return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(prompt)["input_ids"])  # the text alone: stand-ins (evals/grpo_gpu.py's) take no options
+    if not getattr(tokenizer, "chat_template", None):
+        raise Fp8kitError("a conversation needs the tokenizer's chat template, and this tokenizer has none: set "
+                          "tokenizer.chat_template, or pass the prompt as text")
+    try:  # the template is the model's or the user's Jinja code: a refusal (raise_exception, a bad role) is one line
+        text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja2's TemplateError or whatever the template's code raised
+        raise Fp8kitError(f"the tokenizer's chat template failed on it ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:120]})") from e
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def _reward_value(v) -> float:
     """One reward as a float: None (no reward) is NaN; Python, numpy and 0-dim torch numbers (bools included) are
     accepted. A string such as "1.0" is refused: float() would read it, and a reward function returning text
@@ -270,7 +326,11 @@ def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
         write_adapter(model, tmp)  # base_model_name_or_path: the model's name
         save_file(tensors, tmp / OPTIMIZER_FILE)
         grad_scaler = scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
+        # "config" holds the fields as set (None: by loss type), so GRPOConfig(**state["config"]) behaves as the run's
+        # config did whatever loss_type it is later given; "effective" records the values the run trained with
+        effective = {"epsilon_high": config.effective_epsilon_high, "scale_rewards": config.effective_scale_rewards}
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, "optimizer_steps": steps, "config": asdict(config),
+                                                  "effective": effective,
                                                   **({"grad_scaler": grad_scaler} if grad_scaler else {})},
                                                  indent=2) + "\n")
     return directory
@@ -336,11 +396,13 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
           on_step: Callable[[dict], None] | None = None) -> list[dict]:
     """Runs config.steps GRPO steps; returns (and passes to on_step) one metrics dict per step.
 
-    prompts: strings, or dicts with a "prompt" string whose other keys reach the reward functions as keyword
-    arguments (TRL's convention). A reward function is called as f(prompts=, completions=, completion_ids=,
-    **columns) and returns one float per completion. rollout: the engine that samples (default: transformers'
-    generate on `model`, or the vLLM engine load_model attached). config: a GRPOConfig, a dict of its fields, or
-    None for the defaults."""
+    prompts: strings, conversations (lists of {"role", "content"} messages, rendered by the tokenizer's chat
+    template with add_generation_prompt=True), or dicts with such a "prompt" whose other keys reach the reward
+    functions as keyword arguments (TRL's conventions); prompt_token_ids says how each is tokenized. A reward
+    function is called as f(prompts=, completions=, completion_ids=, **columns) and returns one float per
+    completion; for conversations each completion is [{"role": "assistant", "content": text}], as in TRL.
+    rollout: the engine that samples (default: transformers' generate on `model`, or the vLLM engine load_model
+    attached). config: a GRPOConfig, a dict of its fields, or None for the defaults."""
     config = _config(config)
     if config.output_dir is not None:  # it may have become a file since the config was made
         check_output_dir(config.output_dir)
@@ -353,18 +415,34 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
         raise Fp8kitError(f"reward_funcs={reward_funcs!r:.80}: expected a non-empty list of functions (prompts, "
                           f"completions, ...) -> one float per completion")
     if isinstance(prompts, (str, bytes, dict)):  # a string would be iterated as one-character prompts
-        raise Fp8kitError(f"prompts={prompts!r:.60}: expected a list of strings or of dicts with a 'prompt' string; "
-                          f"wrap a single prompt in a list")
+        raise Fp8kitError(f"prompts={prompts!r:.60}: expected a list of strings, conversations or dicts with a "
+                          f"'prompt'; wrap a single prompt in a list")
     if config.reward_weights is not None and len(config.reward_weights) != len(reward_funcs):
         raise Fp8kitError(f"reward_weights has {len(config.reward_weights)} values for {len(reward_funcs)} reward functions")
+    if is_conversation(prompts) and not any("prompt" in m for m in prompts):
+        raise Fp8kitError("prompts: this is one conversation (a list of role/content messages); wrap it in a list, "
+                          "or pass rows {'prompt': messages}")
     rows = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
-    if not rows or not all(isinstance(r.get("prompt"), str) for r in rows):
-        raise Fp8kitError("prompts: expected a non-empty list of strings or of dicts with a 'prompt' string")
+    if not rows or not all(isinstance(r.get("prompt"), str) or is_conversation(r.get("prompt")) for r in rows):
+        raise Fp8kitError("prompts: expected a non-empty list of strings, of conversations (lists of role/content "
+                          "messages) or of dicts with such a 'prompt'")
+    conversational = is_conversation(rows[0]["prompt"])
+    if any(is_conversation(r["prompt"]) != conversational for r in rows):
+        # the reward functions get completions as text for text prompts and as messages for conversations (TRL's
+        # convention): a mixed batch would hand them both
+        raise Fp8kitError(f"prompts: prompt 0 is {'a conversation' if conversational else 'text'} and prompt "
+                          f"{next(i for i, r in enumerate(rows) if is_conversation(r['prompt']) != conversational)} "
+                          f"is not; pass all prompts as text or all as conversations")
     taken = sorted({k for r in rows for k in r} & {"prompts", "completions", "completion_ids"})
     if taken:  # the reward functions' own arguments
         raise Fp8kitError(f"prompts: a row has a {taken[0]!r} column, the name of an argument every reward function "
                           f"gets; rename the column")
-    lengths = [len(tokenizer(r["prompt"])["input_ids"]) for r in rows]  # one at a time, as each step does
+    lengths = []
+    for i, r in enumerate(rows):  # one at a time, as each step does
+        try:
+            lengths.append(len(prompt_token_ids(tokenizer, r["prompt"])))
+        except Fp8kitError as e:
+            raise Fp8kitError(f"prompt {i}: {e}") from e
     if 0 in lengths:  # generate needs a last prompt token to continue from
         raise Fp8kitError(f"prompt {lengths.index(0)} tokenizes to no tokens (an empty prompt, and the tokenizer adds "
                           f"no BOS): give it some text or drop it")
@@ -427,12 +505,13 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
     # every column any prompt row has, for every step (None where a row lacks it): the keys of whichever row a
     # step drew first would make a column come and go between steps
     columns = list(dict.fromkeys(k for r in rows for k in r if k != "prompt"))
+    conversational = is_conversation(rows[0]["prompt"])  # train() refused a mix
     for step in range(start + 1, config.steps + 1):
         seed = _step_seed(config.seed, step)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         picked = random.Random(seed).sample(rows, min(config.prompts_per_step, len(rows)))
-        prompt_ids = [tokenizer(r["prompt"])["input_ids"] for r in picked]
+        prompt_ids = [prompt_token_ids(tokenizer, r["prompt"]) for r in picked]
 
         t0 = time.perf_counter()
         completions = rollout.generate(prompt_ids, n, config.max_completion_length, config.temperature,
@@ -444,10 +523,12 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
             completions = [c if len(c.token_ids) <= room else Completion(c.token_ids[:room], c.logprobs[:room])
                            for c, room in zip(completions, rooms)]
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        if conversational:  # as TRL hands completions of conversations to reward functions
+            texts = [[{"role": "assistant", "content": t}] for t in texts]
         extra = {k: [r.get(k) for r in picked for _ in range(n)] for k in columns}
         rewards, per_func = _rewards(reward_funcs, config.reward_weights, [r["prompt"] for r in picked for _ in range(n)],
                                      texts, [c.token_ids for c in completions], extra)
-        advantages = group_advantages(rewards, n, scale_rewards=config.scale_rewards).to(device)
+        advantages = group_advantages(rewards, n, scale_rewards=config.effective_scale_rewards).to(device)
 
         t0 = time.perf_counter()
         rollout.sleep()  # the engine's KV cache is released while the trainer needs the memory
@@ -471,7 +552,8 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
             is_weights = (truncated_importance_weights(logp.detach(), rollout_logp, config.importance_sampling_cap)
                           if config.importance_sampling else None)
             out = policy_loss(logp, logp.detach(), advantages[part], mask, config.loss_type, config.epsilon,
-                              config.epsilon_high, config.beta, ref_logp, is_weights, config.max_completion_length)
+                              config.effective_epsilon_high, config.beta, ref_logp, is_weights,
+                              config.max_completion_length)
             # each micro-batch's share of the whole batch's loss: its tokens for dapo's token-level mean, its
             # rows for the per-sequence means (grpo, gspo) and dr_grpo's fixed denominator
             share = (mask.sum().clamp_min(1).item() / total_tokens if config.loss_type == "dapo"
