@@ -9,6 +9,9 @@ whose MLP width is not a multiple of 128, in our layout and in llm-compressor's 
     python evals/vllm_load.py --prepare-odd DIR        # on CPU, with llm-compressor: odd model + its FP8_BLOCK
     python evals/vllm_load.py --odd DIR --out evals/results/vllm_load.json   # on the GPU, with vLLM
     python evals/vllm_load.py --variants bf16,dynamic/compressed-tensors+kv-fp8 --out ...   # some of them
+
+A Qwen3-MoE-shaped model is converted too, also with one expert --ignore'd, which keeps every expert of its layer
+in BF16: vLLM must give that layer's fused MoE an unquantized method (`moe_methods`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ sys.path.insert(0, str(ROOT))
 from evals.results_file import write_json  # noqa: E402
 
 
+MOE_SHAPE = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=2048, num_experts=8,
+                 num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=1024)
 QWEN3_SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
                    num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=1024)
 ODD_SHAPE = dict(hidden_size=512, intermediate_size=1392, num_hidden_layers=2, num_attention_heads=8,
@@ -63,13 +69,19 @@ def engine(path: str) -> dict:
         return {name: [module._k_scale_float, module._v_scale_float, str(module.kv_cache_dtype)]
                 for name, module in model.named_modules() if hasattr(module, "_k_scale_float")}
 
+    def moe_methods(model):
+        # the quantization method each fused MoE layer got: a layer whose experts stay in BF16 must be unquantized
+        return {name: type(module.quant_method).__name__ for name, module in model.named_modules()
+                if "FusedMoE" in type(module).__name__ and hasattr(module, "quant_method")}
+
     selected = llm.apply_model(kernels)[0]
     loaded_kv = llm.apply_model(kv_scales)[0]
+    moe = llm.apply_model(moe_methods)[0]
     params = SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=0, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     prompt_lp = [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs]
     return {"load_s": load_s, "kernels": selected, "generated": [list(o.outputs[0].token_ids) for o in outs],
-            "prompt_logprobs": prompt_lp, "kv_cache_scales": loaded_kv}
+            "prompt_logprobs": prompt_lp, "kv_cache_scales": loaded_kv, **({"moe_methods": moe} if moe else {})}
 
 
 def kv_scale_agreement(checkpoint: Path, loaded: dict) -> dict:
@@ -152,6 +164,17 @@ def main():
             convert(src, work / f"{scheme}-{fmt}", scheme=scheme, format=fmt).out)
     made["dynamic/compressed-tensors+kv-fp8"] = lambda: Path(
         convert(src, work / "dynamic-kv", scheme="dynamic", kv_cache="fp8").out)
+    # Qwen3-MoE: all FP8, and with layer 0's experts kept in BF16 (one --ignore'd expert keeps its whole layer)
+    made["bf16-moe"] = lambda: moe_src()
+    made["dynamic/compressed-tensors moe"] = lambda: Path(convert(moe_src(), work / "moe-dynamic", scheme="dynamic").out)
+    made["dynamic/compressed-tensors moe (layer 0 experts kept bf16)"] = lambda: Path(convert(
+        moe_src(), work / "moe-dynamic-ignore", scheme="dynamic", ignore=[r"layers\.0\.mlp\.experts\.3\.down_proj"]).out)
+
+    def moe_src():
+        path = work / "qwen3-moe"
+        if not path.exists():
+            build_checkpoint(path, "qwen3_moe", torch.bfloat16, seed=0, **MOE_SHAPE)
+        return path
     if args.odd:
         odd = Path(args.odd)
         made["bf16-odd"] = lambda: odd / "src"
@@ -179,8 +202,8 @@ def main():
         if r.get("ok") and "kv-fp8" in name:
             r["kv_scale_agreement"] = kv_scale_agreement(variants[name], r["kv_cache_scales"])
         r.pop("kv_cache_scales", None)
-        base = results.get("bf16-odd" if "odd" in name else "bf16", {})
-        if r.get("ok") and base.get("ok") and name not in ("bf16", "bf16-odd"):
+        base = results.get("bf16-odd" if "odd" in name else "bf16-moe" if "moe" in name else "bf16", {})
+        if r.get("ok") and base.get("ok") and name not in ("bf16", "bf16-odd", "bf16-moe"):
             diffs = [abs(a - b) for pa, pb in zip(r["prompt_logprobs"], base["prompt_logprobs"]) for a, b in zip(pa, pb)]
             r["prompt_logprob_mean_abs_diff_vs_bf16"] = sum(diffs) / len(diffs)
             r["greedy_tokens_equal_bf16"] = r["generated"] == base["generated"]

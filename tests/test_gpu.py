@@ -60,3 +60,26 @@ def test_vllm_uses_the_kv_cache_scales(tmp_path):
     assert agreement["mismatched"] == [] and agreement["kv_cache_dtypes"] == ["fp8"]
     assert agreement["scales_equal"] == agreement["checkpoint_scales"] == 2 * agreement["layers"] > 0
     assert run["prompt_logprob_mean_abs_diff_vs_bf16"] < 0.5
+
+
+@pytest.mark.gpu
+def test_vllm_serves_a_moe_layer_kept_in_bf16_unquantized(tmp_path):
+    """One --ignore'd expert keeps its whole MoE layer in BF16, and the ignore list names the layer itself: vLLM
+    gives that fused MoE layer an unquantized method and the other layer an FP8 one, and scores like the BF16
+    model does."""
+    pytest.importorskip("vllm")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "vllm_load.json"
+    kept = "dynamic/compressed-tensors moe (layer 0 experts kept bf16)"
+    proc = subprocess.run([sys.executable, str(root / "evals/vllm_load.py"), "--variants",
+                           f"bf16-moe,dynamic/compressed-tensors moe,{kept}", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    run, fp8 = results[kept], results["dynamic/compressed-tensors moe"]
+    assert run["ok"] and fp8["ok"], (run, fp8)
+    methods = sorted(run["moe_methods"].items())
+    assert len(methods) == 2 and "Unquantized" in methods[0][1] and "Unquantized" not in methods[1][1], methods
+    assert all("Unquantized" not in m for m in fp8["moe_methods"].values()), fp8["moe_methods"]
+    assert run["prompt_logprob_mean_abs_diff_vs_bf16"] < 0.5 and fp8["prompt_logprob_mean_abs_diff_vs_bf16"] < 0.5
