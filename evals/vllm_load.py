@@ -71,8 +71,9 @@ def engine(path: str) -> dict:
 
     def moe_methods(model):
         # the quantization method each fused MoE layer got: a layer whose experts stay in BF16 must be unquantized
+        # (vLLM 0.25: `...mlp.experts.routed_experts`, UnquantizedFusedMoEMethod or CompressedTensorsW8A8Fp8MoEMethod)
         return {name: type(module.quant_method).__name__ for name, module in model.named_modules()
-                if "FusedMoE" in type(module).__name__ and hasattr(module, "quant_method")}
+                if "MoEMethod" in type(getattr(module, "quant_method", None)).__name__}
 
     selected = llm.apply_model(kernels)[0]
     loaded_kv = llm.apply_model(kv_scales)[0]

@@ -263,9 +263,6 @@ def test_moe_experts_of_one_layer_share_one_status(tmp_path):
     assert names["model.layers.1.mlp.experts.3.down_proj.weight"] == "F8_E4M3"
     assert names["model.layers.0.self_attn.q_proj.weight"] == "F8_E4M3"
     assert any("other experts of their MoE layer" in w and "model.layers.0.mlp.experts" in w for w in report.warnings)
-    # vLLM asks about its fused MoE layer by the layer's own name
-    ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
-    assert "model.layers.0.mlp.experts" in ignore and "model.layers.1.mlp.experts" not in ignore
     result = drift(src, tmp_path / "out")
     assert 0 < result["kl"] < KL_BOUND, result
 

@@ -8,7 +8,7 @@ fp8: the layout of DeepSeek-V3 and Qwen3-*-FP8 (`quant_method: fp8`); vLLM's Fp8
 
 from __future__ import annotations
 
-from fp8kit.converter.select import expert_layer, natural_key
+from fp8kit.converter.select import natural_key
 from fp8kit.converter.schemes import Scheme
 
 FORMATS = ("compressed-tensors", "fp8")
@@ -26,9 +26,6 @@ def ignore_list(kept: list[str], lm_head: bool = False, loaded: dict[str, str] |
     left in source precision must be named too, or loaders would look for its scales. `loaded` ({checkpoint name:
     loaded name}, from fp8kit.loaded_names.loaded_names) adds the names transformers gives those modules once loaded."""
     kept = set(kept) | {(loaded or {}).get(name, name) for name in kept}
-    # a MoE layer whose experts stay in source precision (select keeps them all or none) is named as well: vLLM
-    # asks whether its FusedMoE layer (`...mlp.experts`) is ignored by that exact name
-    kept |= {layer for name in kept if (layer := expert_layer(name)) is not None}
     return sorted(kept | (set() if lm_head else {"lm_head"}), key=natural_key)
 
 
