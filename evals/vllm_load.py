@@ -215,6 +215,8 @@ def main():
     # a variant's drift is against the BF16 engine of its own call
     out = Path(args.out)
     report = json.loads(out.read_text()) if out.exists() else {}
+    if any("moe" in name for name in wanted):
+        report["moe_model"] = {"arch": "Qwen3MoeForCausalLM (random weights)", **MOE_SHAPE}
     report.update({"model": {"arch": "Qwen3ForCausalLM (random weights)", **QWEN3_SHAPE},
                    "engine": {"enforce_eager": True, "env": ENGINE_ENV}})
     calls = report.setdefault("calls", [])
