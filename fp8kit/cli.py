@@ -142,7 +142,7 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
         # OUT inside the cache (the command `fp8kit resolve` prints): under the entry's lock, as ensure() converts,
         # so that a concurrent ensure() waits instead of removing this conversion's temporary folder as stale
         try:
-            lock = entry_lock(out)
+            lock = entry_lock(out, src)
             if lock is not None:
                 try:
                     lock.acquire(timeout=0)
@@ -222,8 +222,13 @@ def resolve_cmd(name, scheme, as_json):
     elif answer.repo_id:
         click.echo(f"{answer.repo_id}  ({answer.variant_scheme}, {answer.format}; from the {answer.source}, "
                    f"answering {answer.scheme})")
-    else:
+    elif answer.cached:
+        click.echo(f"no upload for {name} ({answer.scheme}); converted already, cached in:\n  {answer.cache_dir}")
+    elif answer.convert_command.startswith("fp8-convert "):
         click.echo(f"no upload for {name} ({answer.scheme}); will convert and cache:\n  {answer.convert_command}")
+    else:  # the commit, which names the cache folder, is fetched by the conversion: no fp8-convert OUT to give
+        click.echo(f"no upload for {name} ({answer.scheme}); will convert and cache in {answer.cache_dir}; convert "
+                   f"and cache it with:\n  {answer.convert_command}")
 
 
 @main.group()
@@ -311,7 +316,8 @@ def cache_rm(name, remove_all):
               help="Do not upload variants whose mean KL is above this (a positive number, e.g. 0.01).")
 @click.option("--dry-run", is_flag=True, help="Convert, validate and stage only; contact no server.")
 @click.option("--staging", type=click.Path(file_okay=False), default=None, help="Where staged variants go.")
-@click.option("--force", is_flag=True, help="Upload into an existing repo that fp8kit did not make.")
+@click.option("--force", is_flag=True, help="Upload into an existing repo that fp8kit did not make (or made from "
+                                             "another base model); its files are replaced by the staged ones.")
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
               help="A TOML plan of many models x schemes; goes on past failures. Its [[model]] tables give SRC, "
                    "--base-model and --scheme; --org, --max-kl and --repo-template are its defaults.")
@@ -323,7 +329,8 @@ def publish(src, base_model, schemes, repo_template, org, private, create_pr, ma
 
     results = []
     try:
-        from fp8kit.hub.publish import PublishResult, check_max_kl, check_repo_template, publish as run, read_plan
+        from fp8kit.hub.publish import (PublishResult, check_max_kl, check_repo_template, publish as run, read_plan,
+                                        repo_id_for)
 
         check_repo_template(repo_template)  # once, not once per plan entry
         check_max_kl(max_kl)
@@ -343,7 +350,11 @@ def publish(src, base_model, schemes, repo_template, org, private, create_pr, ma
             except Fp8kitError as e:
                 if not plan_path:
                     raise
-                results += [PublishResult(job["src"], s, "failed", error=str(e)) for s in job["schemes"]]
+                # the rows name the repos the entry was to publish: publish() knows the token's user once it asked
+                repo_ids = getattr(e, "repo_ids", None) or [
+                    repo_id_for(job["repo_template"], job["org"] or "{token user}",
+                                job["base_model"] or job["src"].partition("@")[0], s) for s in job["schemes"]]
+                results += [PublishResult(r, s, "failed", error=str(e)) for r, s in zip(repo_ids, job["schemes"])]
     except Fp8kitError as e:
         _fail(str(e))
     except KeyboardInterrupt as e:

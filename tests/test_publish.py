@@ -11,6 +11,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 from fake_hub import TOKEN, FakeHub
+from fp8kit.converter.source import CHAT_TEMPLATES_DIR as CHAT_TEMPLATES
 
 SOURCE_CARD = """---
 license: llama3.2
@@ -184,12 +185,20 @@ schemes = ["dynamic"]
 src = "{tmp_path / 'missing'}"
 base_model = "org/missing"
 schemes = ["block"]
+
+[[model]]
+src = "org/not-on-the-hub"
+schemes = ["tensor", "block"]
 ''')
     proc = publish(tmp_path, hub, "--plan", plan, "--json")
     assert proc.returncode == 1
     out = json.loads(proc.stdout)
-    assert [r["status"] for r in out] == ["rejected", "failed"]
-    assert "--max-kl" in out[0]["error"] and "missing" in out[1]["error"]
+    assert [r["status"] for r in out] == ["rejected", "failed", "failed", "failed"]
+    assert "--max-kl" in out[0]["error"] and "missing" in out[1]["error"] and "not found" in out[2]["error"]
+    # failed rows name the repos they were to publish, not their SRC (with `{token user}` for the org where the SRC
+    # was refused before the token's user was looked up)
+    assert [r["repo_id"] for r in out[1:]] == ["{token user}/missing-FP8-Block", "tester/not-on-the-hub-FP8-Tensor",
+                                               "tester/not-on-the-hub-FP8-Block"]
     assert not any("/commit/" in p for m, p in hub.requests)
 
 
@@ -204,14 +213,58 @@ def test_create_pr_opens_a_pull_request_and_leaves_main(tmp_path, hub, src):
     assert not (tmp_path / "overlay.toml").exists()  # registered once the PR is merged and published again
 
 
-def test_force_replaces_stale_weight_files(tmp_path, hub, src):
+def test_force_replaces_stale_files(tmp_path, hub, src):
+    """The repo then holds what was staged, nothing else: an old shard or index would be loaded with the new weights,
+    and the card describes only what fp8kit uploaded."""
     hub.add_repo("tester/tiny-FP8-Dynamic", {"model-00001-of-00002.safetensors": b"old shard",
-                                             "model.safetensors.index.json": b"{}", "notes.txt": b"keep"})
+                                             "model.safetensors.index.json": b"{}", "notes.txt": b"old notes",
+                                             ".gitattributes": b"*.bin filter=lfs\n"})
     proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "dynamic", "--force", "--json")
     assert proc.returncode == 0, proc.stderr
+    staged = {"README.md", "config.json", "fp8kit.json", "generation_config.json", "model.safetensors"}
+    assert set(hub.repos["tester/tiny-FP8-Dynamic"]["files"]) == staged | {".gitattributes"}
+    assert hub.file("tester/tiny-FP8-Dynamic", ".gitattributes") == b"*.bin filter=lfs\n"  # the Hub's own: kept
+
+
+def test_republishing_removes_files_the_source_no_longer_has(tmp_path, hub, src):
+    """A chat template dropped from the source stayed on the Hub (with the new weights), and a re-publish that
+    changed nothing else reported "unchanged"."""
+    (src / "chat_template.jinja").write_text("{{ old template }}")
+    (src / CHAT_TEMPLATES).mkdir()
+    (src / CHAT_TEMPLATES / "tool_use.jinja").write_text("{{ old tools }}")
+    args = [src, "--base-model", "org/tiny", "--scheme", "dynamic", "--json"]
+    assert publish(tmp_path, hub, *args).returncode == 0
     files = hub.repos["tester/tiny-FP8-Dynamic"]["files"]
-    assert "model-00001-of-00002.safetensors" not in files and "model.safetensors.index.json" not in files
-    assert "model.safetensors" in files and "notes.txt" in files
+    assert "chat_template.jinja" in files and f"{CHAT_TEMPLATES}/tool_use.jinja" in files
+    (src / "chat_template.jinja").unlink()
+    shutil.rmtree(src / CHAT_TEMPLATES)
+    proc = publish(tmp_path, hub, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert results(proc)["tester/tiny-FP8-Dynamic"]["status"] == "uploaded"
+    files = hub.repos["tester/tiny-FP8-Dynamic"]["files"]
+    assert "chat_template.jinja" not in files and f"{CHAT_TEMPLATES}/tool_use.jinja" not in files
+    assert {".gitattributes", "model.safetensors", "README.md"} <= set(files)
+    proc = publish(tmp_path, hub, *args)  # now the repo is what is staged
+    assert proc.returncode == 0 and results(proc)["tester/tiny-FP8-Dynamic"]["status"] == "unchanged", proc.stderr
+
+
+def test_publishing_into_an_inline_overlay_keeps_every_registry_command_working(tmp_path, hub, src):
+    """With `variant = [...]` (which README accepts), publish appended a [[variant]] table: invalid TOML, so publish
+    succeeded and every registry command then failed."""
+    overlay = tmp_path / "overlay.toml"
+    overlay.write_text('variant = [\n  { repo_id = "me/Qwen3-8B-FP8-Dynamic", family = "qwen3", scheme = "dynamic", '
+                       'format = "compressed-tensors", serves = ["dynamic"], base = ["Qwen/Qwen3-8B"] },\n]\n')
+    proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "dynamic", "--json")
+    assert proc.returncode == 0 and results(proc)["tester/tiny-FP8-Dynamic"]["status"] == "uploaded", proc.stderr
+    env = {**os.environ, "FP8KIT_REGISTRY": str(overlay), "FP8KIT_CACHE": str(tmp_path / "fp8cache")}
+    listing = subprocess.run([sys.executable, "-m", "fp8kit.cli", "registry", "list", "--json"], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert listing.returncode == 0, listing.stderr
+    mine = [v["repo_id"] for v in json.loads(listing.stdout) if v["source"] == "overlay"]
+    assert mine == ["me/Qwen3-8B-FP8-Dynamic", "tester/tiny-FP8-Dynamic"]
+    proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "block", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "tester/tiny-FP8-Block" in overlay.read_text() and "[[variant]]" not in overlay.read_text()
 
 
 def test_bad_base_model_is_refused_before_any_work(tmp_path, hub, src):
@@ -284,3 +337,20 @@ def test_named_chat_templates_reach_the_staged_variant(tmp_path, src, monkeypatc
                            staging=tmp_path / "staging")
     staged = tmp_path / "staging" / "me--tiny-FP8-Dynamic" / "additional_chat_templates" / "tool_use.jinja"
     assert staged.read_text() == "{{ tools }}" and "additional_chat_templates/tool_use.jinja" in result.files
+
+
+def test_card_counts_each_kept_layer_once_where_transformers_renames_it(tmp_path):
+    """Gemma 3 multimodal: the ignore list names a kept module by its checkpoint name and by the name transformers
+    loads it under; the card's "N more Linear layers" counted both."""
+    import torch
+
+    from fp8kit import convert
+    from fp8kit.hub.card import kept_layers
+    from fp8kit.models import build_checkpoint
+
+    src = build_checkpoint(tmp_path / "src", "gemma3_mm", torch.bfloat16, seed=3)
+    out = tmp_path / "out"
+    convert(src, out, scheme="dynamic", ignore=[r"layers\.0\.mlp\."])
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.language_model.layers.0.mlp.up_proj" in ignore
+    assert kept_layers(out) == [f"language_model.model.layers.0.mlp.{p}" for p in ("down_proj", "gate_proj", "up_proj")]

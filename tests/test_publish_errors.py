@@ -412,3 +412,54 @@ def test_plan_entries_that_land_in_one_repo_are_refused_before_any_work(tmp_path
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "[[model]] number 1" in result.stderr and "number 2" in result.stderr and "me/Foo-FP8-Dynamic" in result.stderr
     assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+
+
+def test_a_dry_run_refuses_what_the_upload_would_refuse_before_any_work(tmp_path, src, monkeypatch):
+    """A dry run skipped the overlay checks: it staged a variant (exit 0) that the upload then refused."""
+    overlay = tmp_path / "overlay.toml"
+    overlay.write_text('[[variant]]\nrepo_id = "me/tiny-FP8-Dynamic"\nfamily = "tiny"\nscheme = "dynamic"\n'
+                       'format = "compressed-tensors"\nserves = ["dynamic"]\nbase = ["someone-else/tiny"]\n')
+    args = ["publish", str(src), "--base-model", "org/tiny", "--scheme", "dynamic", "--org", "me", "--dry-run",
+            "--staging", str(tmp_path / "staging")]
+    line = one_line_error(CliRunner().invoke(main, args))
+    assert "me/tiny-FP8-Dynamic: registered in" in line and "someone-else/tiny, not org/tiny" in line, line
+    overlay.write_text("[[variant]\n")
+    line = one_line_error(CliRunner().invoke(main, args))
+    assert str(overlay) in line and "not valid TOML" in line, line
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+    # an overlay that cannot be written is the upload's concern: a dry run writes nothing there
+    (tmp_path / "cfg").write_text("a file where the overlay's folder should be")
+    monkeypatch.setenv("FP8KIT_REGISTRY", str(tmp_path / "cfg" / "registry.toml"))
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "staging" / "me--tiny-FP8-Dynamic" / "model.safetensors").exists()
+
+
+def test_failed_plan_rows_name_the_repo_they_were_to_publish(tmp_path, src, monkeypatch):
+    """They named the SRC (a local path) as their repo_id."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text('org = "me"\n' + GOOD.format(src=src) + 'repo_template = "{org}/{name}-fp8-{scheme}"\n')
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    result = CliRunner().invoke(main, ["publish", "--plan", str(plan), "--json"])  # no token: that entry fails
+    assert result.exit_code == 1, result.output
+    [row] = json.loads(result.stdout)
+    assert (row["repo_id"], row["status"]) == ("me/tiny-fp8-dynamic", "failed")
+    assert "no Hugging Face token" in row["error"]
+
+
+def test_plan_nested_too_deeply_is_one_line(tmp_path):
+    plan = tmp_path / "plan.toml"
+    plan.write_text("org = " + "[" * 5000 + "]" * 5000 + "\n")
+    line = one_line_error(CliRunner().invoke(main, ["publish", "--plan", str(plan), "--dry-run", "--org", "me"]))
+    assert line.startswith(f"error: {plan}: cannot read the plan") and "nested too deeply" in line, line
+
+
+def test_publish_with_hf_hub_offline_says_to_unset_it(tmp_path, src, monkeypatch):
+    """It said "re-run to resume", which can never work while HF_HUB_OFFLINE is set."""
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "x" * 30)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    line = one_line_error(CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--scheme",
+                                                    "dynamic"]))
+    assert "HF_HUB_OFFLINE" in line and "--dry-run" in line and "re-run" not in line and "x" * 30 not in line, line
+    assert not (tmp_path / "fp8cache").exists()

@@ -71,7 +71,11 @@ def test_known_models(name, scheme, expected):
 def test_near_names_never_borrow_a_variant(name):
     answer = resolve(name, "dynamic")
     assert answer.repo_id is None and answer.source == "convert"
-    assert answer.convert_command.startswith(f"fp8-convert {name} ") and "--scheme dynamic" in answer.convert_command
+    if "@" in name:  # a pinned commit names its cache folder: fp8-convert into it
+        assert answer.convert_command.startswith(f"fp8-convert {name} ")
+        assert answer.convert_command.endswith("--scheme dynamic")
+    else:  # main's commit is not in the (empty) HF cache: ensure() fetches it, then converts
+        assert f'ensure("{name}", "dynamic")' in answer.convert_command and "<" not in answer.convert_command
 
 
 @pytest.mark.parametrize("name", ["Qwen3-8B", "Qwen/Qwen3-8B/", "./missing-folder", "a/b/c"])
@@ -419,7 +423,7 @@ def test_inline_overlay_arrays_name_the_entry_not_a_wrong_line(tmp_path):
 
 def test_a_pasted_name_with_spaces_is_used_stripped():
     answer = resolve("  Qwen/Qwen3-8B-Base \n", "dynamic")
-    assert answer.name == "Qwen/Qwen3-8B-Base" and answer.convert_command.startswith("fp8-convert Qwen/Qwen3-8B-Base ")
+    assert answer.name == "Qwen/Qwen3-8B-Base" and 'ensure("Qwen/Qwen3-8B-Base", ' in answer.convert_command
     assert "Qwen--Qwen3-8B-Base/" in answer.cache_dir
 
 
@@ -472,3 +476,45 @@ def test_a_conversion_waiting_while_cache_rm_removes_its_folder_starts_again(tmp
     monkeypatch.setattr(cache, "FileLock", RemovedWhileWaiting)
     entry = cache.cached_conversion(str(llama_dir), "dynamic")
     assert calls and cache.verify(entry)
+
+
+INLINE_ENTRY = ('{ repo_id = "me/Qwen3-8B-FP8-Dynamic", family = "qwen3", scheme = "dynamic", '
+                'format = "compressed-tensors", serves = ["dynamic"], base = ["Qwen/Qwen3-8B"] }')
+
+
+@pytest.mark.parametrize("text", [
+    f"# my uploads\nvariant = [\n  {INLINE_ENTRY},\n]\n",  # a trailing comma, one entry a line
+    f"# my uploads\nvariant = [\n  {INLINE_ENTRY} # the 8B [mine]\n] # end\n",  # brackets in comments, no comma
+    f"# my uploads\nvariant = [{INLINE_ENTRY}]",  # one line, no newline at the end
+    "# my uploads\nvariant = []\n",
+], ids=["trailing-comma", "comments", "one-line", "empty"])
+def test_registering_into_an_inline_overlay_keeps_it_readable(tmp_path, text):
+    """README accepts `variant = [...]`; a [[variant]] table appended after it is invalid TOML, so publishing one
+    upload broke every registry command. The entry now goes into the array, and the file keeps its comments."""
+    overlay = tmp_path / "overlay.toml"
+    overlay.write_text(text)
+    before = [v.repo_id for v in load() if v.source == "overlay"]
+    for name in ("me/tiny-FP8-Dynamic", "me/tiny-FP8-Block"):
+        scheme = name.rsplit("-", 1)[1].lower()
+        catalog.append_to_overlay(Variant(name, "tiny", scheme, "compressed-tensors", (scheme,), ("org/tiny",),
+                                          "overlay"))
+    assert [v.repo_id for v in load() if v.source == "overlay"] == before + ["me/tiny-FP8-Dynamic", "me/tiny-FP8-Block"]
+    written = overlay.read_text()
+    assert "[[variant]]" not in written and written.startswith("# my uploads\nvariant = [")
+    assert resolve("org/tiny", "block").repo_id == "me/tiny-FP8-Block"
+    result = CliRunner().invoke(main, ["registry", "list", "--family", "tiny"])
+    assert result.exit_code == 0 and "me/tiny-FP8-Dynamic" in result.stdout, result.output
+
+
+def test_resolve_of_a_cached_conversion_says_where_it_is(tmp_path, llama_dir):
+    """It said "will convert" and printed an fp8-convert command that fails on the existing folder."""
+    from fp8kit.registry import ensure
+
+    entry = ensure(str(llama_dir), "dynamic")
+    answer = resolve(str(llama_dir), "dynamic")
+    assert answer.cached and answer.cache_dir == str(entry) and answer.convert_command is None
+    result = CliRunner().invoke(main, ["resolve", str(llama_dir), "--scheme", "dynamic"])
+    assert result.exit_code == 0 and str(entry) in result.stdout and "cached" in result.stdout, result.output
+    assert "fp8-convert" not in result.stdout and "will convert" not in result.stdout
+    fresh = resolve(str(llama_dir), "block")  # another scheme of it is not cached
+    assert not fresh.cached and fresh.convert_command.startswith("fp8-convert ")

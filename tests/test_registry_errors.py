@@ -148,7 +148,8 @@ def test_registry_list_knows_the_overlay_s_families(tmp_path, overlay_text):
 ])
 def test_resolve_of_a_pinned_revision_shows_the_cache_layout(tmp_path, monkeypatch, revision, commit):
     """`{org}--{name}/{source commit}/...`: the folder is the repo's, never `name@revision`, and the commit is
-    the pinned one (or says which revision it will be fetched from), never main's."""
+    the pinned one (or says which revision it will be fetched from), never main's. A folder named by a commit not known
+    yet is no OUT for fp8-convert: the command printed then is ensure()'s, which fetches it first."""
     from fp8kit.registry import resolve
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -157,6 +158,9 @@ def test_resolve_of_a_pinned_revision_shows_the_cache_layout(tmp_path, monkeypat
                                    / "dynamic-compressed-tensors-fp8kit0.1.0")
     result = CliRunner().invoke(main, ["resolve", f"Qwen/Qwen3-8B@{revision}", "--scheme", "dynamic"])
     assert result.exit_code == 0 and answer.cache_dir in result.stdout
+    command = result.stdout.strip().splitlines()[-1]
+    assert command.strip() == answer.convert_command and "<" not in command
+    assert command.strip().startswith("fp8-convert " if commit == revision else "python -c ")
 
 
 def test_pinned_revision_is_converted_where_resolve_says(tmp_path, llama_dir, monkeypatch):
@@ -380,3 +384,80 @@ def test_pinned_cache_rm_leaves_an_entry_a_conversion_holds(pinned_hub):
         assert f"{entry}: a conversion is running there" in result.stderr and entry.is_dir()
     result = CliRunner().invoke(main, ["cache", "rm", "me/tiny@main"])
     assert result.exit_code == 0 and not entry.exists(), result.output
+
+
+def test_the_command_resolve_prints_for_a_commit_not_known_yet_converts_into_the_cache(tmp_path, llama_dir,
+                                                                                          monkeypatch):
+    """It printed `fp8-convert NAME '.../<commit of main, fetched at conversion>/...'`: that converted into a folder of
+    that name, never recorded (ensure() converted again). The command printed now converts where ensure() looks."""
+    import os
+    import shlex
+    import shutil
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    result = CliRunner().invoke(main, ["resolve", "me/tiny", "--scheme", "dynamic"])
+    assert result.exit_code == 0, result.output
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert argv[:2] == ["python", "-c"]
+    # what the download in that command does (the test is offline): me/tiny's main lands in the HF cache
+    repo = tmp_path / "hub" / "models--me--tiny"
+    shutil.copytree(llama_dir, repo / "snapshots" / COMMIT)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    proc = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    entry = tmp_path / "fp8cache" / "me--tiny" / COMMIT / "dynamic-compressed-tensors-fp8kit0.1.0"
+    assert proc.stdout.strip() == str(entry)
+    assert sorted(p.name for p in (tmp_path / "fp8cache" / "me--tiny").iterdir()) == [COMMIT]
+    listing = json.loads(CliRunner().invoke(main, ["cache", "list", "--json"]).stdout)
+    assert [(r["name"], r["path"], r["ok"]) for r in listing] == [("me/tiny", str(entry), True)]
+    result = CliRunner().invoke(main, ["resolve", "me/tiny", "--scheme", "dynamic"])
+    assert result.exit_code == 0 and str(entry) in result.stdout and "cached" in result.stdout, result.output
+
+
+def test_fp8_convert_into_the_cache_leaves_nothing_there_when_it_cannot_convert(tmp_path, llama_dir, monkeypatch):
+    """The old placeholder command, run for a model that cannot be had, made the placeholder folder and left a lock
+    file in it; a local checkpoint converted into another commit's folder was never used by ensure()."""
+    from fp8kit.cli import fp8_convert
+    from fp8kit.registry.cache import model_dir
+    from fp8kit.registry.resolution import entry_name
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    cache = tmp_path / "fp8cache"
+    placeholder = cache / "me--absent" / "<commit of main, fetched at conversion>" / entry_name("dynamic")
+    result = CliRunner().invoke(fp8_convert, ["me/absent", str(placeholder), "--scheme", "dynamic"])
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert "me/absent" in result.stderr and not cache.exists()
+
+    wrong = model_dir(str(llama_dir)) / "local-0000000000000000" / entry_name("dynamic")
+    result = CliRunner().invoke(fp8_convert, [str(llama_dir), str(wrong), "--scheme", "dynamic"])
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert "inside the fp8kit cache" in result.stderr and "nothing was converted" in result.stderr
+    assert not cache.exists()
+
+
+def test_pinned_cache_rm_removes_the_entry_the_unpinned_name_made_of_that_commit(pinned_hub):
+    """`cache rm me/tiny@<commit>` said "nothing cached" for `ensure("me/tiny")`'s entry in that commit's folder."""
+    from fp8kit.registry.cache import cached_conversion
+
+    for pinned in (f"me/tiny@{COMMIT}", "me/tiny@main"):
+        entry = cached_conversion("me/tiny", "dynamic")
+        result = CliRunner().invoke(main, ["cache", "rm", pinned])
+        assert result.exit_code == 0 and str(entry) in result.stdout, result.output
+        assert not entry.exists() and not (pinned_hub / "me--tiny").exists()
+    result = CliRunner().invoke(main, ["cache", "rm", "me/tiny@1111111111111111111111111111111111111111"])
+    assert result.exit_code == 1 and "nothing cached" in result.stderr  # another commit's: nothing of it
+
+
+def test_overlay_nested_too_deeply_is_one_line(tmp_path):
+    """tomllib recurses once per nesting level: a RecursionError traceback."""
+    overlay = tmp_path / "overlay.toml"
+    overlay.write_text("x = " + "[" * 5000 + "]" * 5000 + "\n")
+    result = CliRunner().invoke(main, ["registry", "list"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(overlay) in lines[0] and "nested too deeply" in lines[0], result.stderr

@@ -45,8 +45,13 @@ def kept_layers(conversion: Path) -> list[str]:
 
     from fp8kit.converter.select import is_candidate  # the decoder Linears a scheme quantizes (not routers)
 
+    from fp8kit.converter.safetensors_io import read_header
+
     qc = json.loads((conversion / "config.json").read_text()).get("quantization_config") or {}
-    return [name for name in qc.get("ignore") or [] if is_candidate(name)]
+    # by the checkpoint's names only: the list also names each kept module as transformers loads it (Gemma 3's
+    # `language_model.model.layers.N` as `model.language_model.layers.N`), which would count it twice
+    weights = {name for f in conversion.glob("*.safetensors") for name in read_header(f)[0]}
+    return [name for name in qc.get("ignore") or [] if is_candidate(name) and f"{name}.weight" in weights]
 
 
 def _kept_text(kept: list[str]) -> str:

@@ -109,6 +109,11 @@ def _check_hub_name(repo_id: str) -> None:
 
 
 def _http_error(e: Exception, repo_id: str) -> Fp8kitError:
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    if isinstance(e, OfflineModeIsEnabled):  # a re-run cannot get further while it is set
+        return Fp8kitError("HF_HUB_OFFLINE is set, so the Hub cannot be reached: unset HF_HUB_OFFLINE to publish, or "
+                           "pass --dry-run to convert, validate and stage without uploading")
     status = getattr(getattr(e, "response", None), "status_code", None)
     reasons = {401: "the Hub rejected the token (401): log in again with `hf auth login` or set HF_TOKEN",
                403: f"no write access to {repo_id} (403): check the token's permissions and the organization",
@@ -135,20 +140,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt", "*.pth"]
-
-
 def _identical_on_hub(api, repo_id: str, staging: Path, remote_files: set[str]) -> bool:
-    """True when every staged file is already in the repo with the same content (LFS sha256 or git blob id)
-    and the repo holds no other weight files (a stale shard or index would be loaded with ours)."""
-    from fnmatch import fnmatch
-
+    """True when the repo holds exactly the staged files (`remote_files` leaves out .gitattributes, which the Hub
+    needs and upload_folder never deletes), each with the same content (LFS sha256 or git blob id). A file staged
+    no longer is a difference too: a stale shard or index would be loaded with ours, a stale chat template or
+    tokenizer file used with our weights."""
     from fp8kit.converter.source import folder_files
 
     names = folder_files(staging)  # chat templates live in a subfolder
 
-    extra = [f for f in remote_files if f not in names and any(fnmatch(f, p) for p in WEIGHT_PATTERNS)]
-    if extra:
+    if set(remote_files) - set(names):
         return False
     remote = {info.path: info for info in _with_retries(lambda: api.get_paths_info(repo_id, names, expand=False))}
     for name in names:
@@ -239,8 +240,8 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
             raise Fp8kitError(f"--scheme {scheme!r}: expected dynamic, block or tensor")
     check_repo_template(repo_template)
     check_max_kl(max_kl)
-    if not dry_run and not create_pr:  # a broken or unwritable overlay found now, not after an upload
-        _check_overlay()
+    if not create_pr:  # a broken or unwritable overlay found now, not after an upload (a dry run: see _check_overlay)
+        _check_overlay(writable=not dry_run)
     api = None
     if not dry_run:  # the token is checked before any conversion work
         from huggingface_hub import HfApi, get_token
@@ -255,18 +256,22 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         org = org or user
     if not org:  # a dry run contacts no server, so the token's user is not looked up
         raise Fp8kitError("--dry-run contacts no server, so it needs --org ORG to name the repos")
-    for scheme in schemes:  # names the Hub refuses, refused before converting (and in a dry run)
-        _check_hub_name(repo_id_for(repo_template, org, base_model, scheme))
-    seen: dict[str, str] = {}
-    for scheme in schemes:  # a later upload would replace an earlier one under the name registered for it
-        repo_id = repo_id_for(repo_template, org, base_model, scheme)
-        if seen.setdefault(repo_id.lower(), scheme) != scheme:
-            raise Fp8kitError(f"--repo-template {repo_template!r} sends {seen[repo_id.lower()]} and {scheme} to the "
-                              f"same repo {repo_id}; put {{Scheme}} or {{scheme}} in it")
-    if not dry_run and not create_pr:
-        _check_registered_schemes(schemes, repo_template, org, base_model)
-    src_dir = source.resolve(src)
-    terms = source_terms(src_dir)
+    repo_ids = [repo_id_for(repo_template, org, base_model, scheme) for scheme in schemes]
+    try:
+        for repo_id in repo_ids:  # names the Hub refuses, refused before converting (and in a dry run)
+            _check_hub_name(repo_id)
+        seen: dict[str, str] = {}
+        for scheme, repo_id in zip(schemes, repo_ids):  # a later upload would replace an earlier one under its name
+            if seen.setdefault(repo_id.lower(), scheme) != scheme:
+                raise Fp8kitError(f"--repo-template {repo_template!r} sends {seen[repo_id.lower()]} and {scheme} to "
+                                  f"the same repo {repo_id}; put {{Scheme}} or {{scheme}} in it")
+        if not create_pr:  # in a dry run too: it would succeed where the upload is refused
+            _check_registered_schemes(schemes, repo_template, org, base_model)
+        src_dir = source.resolve(src)
+        terms = source_terms(src_dir)
+    except Fp8kitError as e:
+        e.repo_ids = repo_ids  # a plan reports the failed entry's variants under their repos (the token's user known)
+        raise
 
     def made_by(scheme: str) -> str:
         """The card's command: the variant's own (one scheme), from this call's arguments, never from the host
@@ -357,9 +362,11 @@ def _upload(api, result: PublishResult, folder: Path, private: bool, create_pr: 
                 result.status, result.url = "unchanged", f"{api.endpoint}/{repo_id}"
                 return
         _with_retries(lambda: api.create_repo(repo_id, private=private, exist_ok=True))
-        # Weight files of an earlier layout (other shard counts, an index) are deleted in the same commit.
+        # The repo mirrors the staged folder: every other file (an earlier layout's shards and index, a chat template
+        # or tokenizer file the source dropped) is deleted in the same commit. "*" matches across folders in
+        # huggingface_hub's patterns, files uploaded again are not deleted, and .gitattributes never is.
         info = _with_retries(lambda: api.upload_folder(repo_id=repo_id, folder_path=folder, create_pr=create_pr,
-                                                       delete_patterns=WEIGHT_PATTERNS,
+                                                       delete_patterns=["*"],
                                                        commit_message=f"FP8 {result.scheme} variant (fp8kit)"))
     except Fp8kitError:
         raise
@@ -387,13 +394,18 @@ def _check_remote_base(api, repo_id: str, folder: Path) -> None:
                           f"publish under another --repo-template or --org, or pass --force to replace it")
 
 
-def _check_overlay() -> None:
-    """The overlay parses and its folder can be written: checked before any conversion or upload."""
+def _check_overlay(writable: bool = True) -> None:
+    """The overlay parses and its folder can be written: checked before any conversion or upload. A dry run
+    (`writable=False`) checks that it parses, as its entries decide what an upload from here refuses, but not that it
+    can be written: a dry run writes nothing there, and is also how one stages on a machine that does not publish
+    (a read-only home, a container); the upload still checks it before any work."""
     import os
 
     from fp8kit.registry.catalog import load, overlay_path
 
     load()
+    if not writable:
+        return
     path = overlay_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -463,6 +475,9 @@ def read_plan(path: Path) -> dict:
         plan = tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise Fp8kitError(f"{path}: cannot read the plan ({e})") from e
+    except RecursionError as e:  # tomllib recurses once per nesting level
+        raise Fp8kitError(f"{path}: cannot read the plan (arrays or tables nested too deeply); a plan holds top-level "
+                          f"settings and [[model]] tables") from e
     unknown = sorted(set(plan) - PLAN_TOP)
     if unknown:
         raise Fp8kitError(f"{path}: unknown top-level key {unknown[0]!r}; a plan has {', '.join(sorted(PLAN_TOP))}")

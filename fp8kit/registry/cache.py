@@ -246,13 +246,20 @@ def _adopt_legacy(name: str, entry: Path) -> bool:
     return True
 
 
-def entry_lock(out: str | Path) -> FileLock | None:
-    """The lock `ensure()` takes for a cache entry, when `out` lies inside the cache (an `fp8-convert` into the
-    cache, as `fp8kit resolve` prints it); None elsewhere."""
+def entry_lock(out: str | Path, name: str) -> FileLock | None:
+    """The lock `ensure()` takes for a cache entry, when `out` lies inside the cache (an `fp8-convert NAME OUT` into
+    the cache, as `fp8kit resolve` prints it); None elsewhere. NAME is resolved first, so that one which cannot be had
+    (offline, a typo) leaves no folder or lock file in the cache; and OUT must lie in the folder of NAME's commit,
+    the only one ensure() looks in: a conversion anywhere else in the cache would never be used, only kept."""
     out = Path(out).expanduser().absolute()
     root = cache_root().expanduser().absolute()
     if out == root or root not in out.parents:
         return None
+    commit = (model_dir(name) / _source_commit(source.resolve(name))).expanduser().absolute()
+    if out.parent != commit:
+        raise Fp8kitError(f"{out}: inside the fp8kit cache, but {name} is cached in {commit} (its source commit), the "
+                          f"only folder ensure() looks in; convert into that folder or outside the cache; nothing was "
+                          f"converted")
     out.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(out.parent / (out.name + ".lock"))
 
@@ -381,7 +388,12 @@ def remove(name: str | None = None) -> list[Path]:
         # an existing folder means that checkpoint (recorded by its absolute path); otherwise the name as recorded
         recorded_as = str(local.resolve()) if local.is_dir() else name
         if "@" in name and not local.is_dir():  # a pinned revision: its own entries, not the repo's other commits
-            entries = [Path(row["path"]) for row in list_entries() if row["name"] == name]
+            # those recorded under this name, and those in its commit's folder, made under another name of that commit
+            # (the unpinned name, another branch) but the same weights
+            commit = known_commit(name)
+            here = model_dir(name) / commit if commit else None
+            entries = [Path(row["path"]) for row in list_entries()
+                       if row["name"] == name or Path(row["path"]).parent == here]
             # never through a link: like an unpinned rm, what a linked folder points to is not ours to delete
             entries = [e for e in entries if not (e.is_symlink() or e.parent.is_symlink()
                                                   or e.parent.parent.is_symlink())]

@@ -119,6 +119,9 @@ def read_file(path: Path, source: str) -> list[Variant]:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise Fp8kitError(f"{path}: not valid TOML: {e}") from e
+    except RecursionError as e:  # tomllib recurses once per nesting level
+        raise Fp8kitError(f"{path}: arrays or tables nested too deeply to read; an overlay holds [[variant]] tables of "
+                          f"strings and lists of strings") from e
     unknown = set(data) - {"variant"}
     if unknown:
         raise Fp8kitError(f"{path}: unknown top-level key(s) {', '.join(sorted(unknown))}; expected [[variant]] tables")
@@ -150,14 +153,43 @@ def append_to_overlay(variant: Variant, path: Path | None = None) -> Path:
     read_file(path, "overlay") if path.exists() else None  # refuse to append to a broken file
     _validate({k: v for k, v in variant.to_dict().items() if k != "source"}, f"{path}: new variant", "overlay")
     fields = {k: v for k, v in variant.to_dict().items() if k != "source"}
-    block = "\n[[variant]]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in fields.items())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise Fp8kitError(f"{path}: cannot create its folder ({e.strerror}); set FP8KIT_REGISTRY to a writable "
                           f"file") from e
-    _append_whole(path, block)
+    _append_whole(path, fields)
     return path
+
+
+def _with_entry(text: str, fields: dict, path: Path) -> str:
+    """`text` with one more entry, last (earlier entries keep their precedence), in the file's own form: a [[variant]]
+    table after the others, or, in an inline `variant = [...]` array (after which TOML allows no [[variant]] table),
+    an inline table before its closing bracket. Where that bracket is cannot be told without parsing, so each place
+    is tried and parsed back: a text is kept only when it reads as the old entries and this one, so a bracket in a
+    string or a comment is never taken for it and a file is never written that every registry command would refuse."""
+    old = tomllib.loads(text)
+    want = {**old, "variant": [*old.get("variant", []), fields]}
+    table = "\n[[variant]]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in fields.items())
+    inline = "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in fields.items()) + " }"
+
+    def candidates():
+        yield text + table
+        for i in reversed([m.start() for m in re.finditer(r"]", text)]):
+            j = len(text[:i].rstrip())  # just after what precedes the bracket: an entry, a comma, `[` or a comment
+            lines = "\n" in text[j:i]
+            yield text[:j] + (",\n  " if lines else ", ") + inline + text[j:]  # after an entry
+            yield text[:j] + ("\n  " if lines else " ") + inline + "," + text[j:]  # after a comma or `[`
+            yield text[:i] + ", " + inline + "\n" + text[i:]  # after an entry and a comment
+
+    for candidate in candidates():
+        try:
+            if tomllib.loads(candidate) == want:
+                return candidate
+        except (tomllib.TOMLDecodeError, RecursionError):
+            pass
+    raise Fp8kitError(f"{path}: cannot add {fields['repo_id']} to this overlay; write its entries as [[variant]] "
+                      f"tables, then register it again")
 
 
 def _toml_value(value) -> str:
@@ -168,10 +200,10 @@ def _toml_value(value) -> str:
                          for c in value) + '"'
 
 
-def _append_whole(path: Path, block: str) -> None:
-    """Rewrite `path` as its old text + `block` through a temporary file beside it and os.replace, under a lock file
-    beside it: a failed write (disk full, interrupt) leaves the old file whole, and concurrent writers do not
-    lose each other's entries. A symlinked file is rewritten at its target."""
+def _append_whole(path: Path, fields: dict) -> None:
+    """Rewrite `path` as its old text with the entry `fields` added (_with_entry) through a temporary file beside it
+    and os.replace, under a lock file beside it: a failed write (disk full, interrupt) leaves the old file whole, and
+    concurrent writers do not lose each other's entries. A symlinked file is rewritten at its target."""
     import secrets
 
     from filelock import FileLock
@@ -180,11 +212,11 @@ def _append_whole(path: Path, block: str) -> None:
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
     try:
         with FileLock(target.with_name(f".{target.name}.lock")):
-            text = target.read_text() if target.exists() else ""
+            text = _with_entry(target.read_text() if target.exists() else "", fields, path)
             mode = target.stat().st_mode & 0o7777 if target.exists() else None
             try:
                 with open(tmp, "x") as f:
-                    f.write(text + block)
+                    f.write(text)
                     f.flush()
                     os.fsync(f.fileno())
                 if mode is not None:

@@ -7,6 +7,7 @@ conversion.
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import asdict, dataclass
 
@@ -25,8 +26,9 @@ class Resolution:
     source: str  # catalog | overlay | convert
     family: str | None = None
     variant_scheme: str | None = None  # how the upload is quantized (Qwen's block uploads serve dynamic too)
-    convert_command: str | None = None
-    cache_dir: str | None = None  # where the conversion will be cached
+    convert_command: str | None = None  # None when the conversion is cached already
+    cache_dir: str | None = None  # where the conversion is or will be cached
+    cached: bool = False  # the conversion is in the cache, complete
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,7 +57,7 @@ def _answer(name: str, scheme: str, variant: Variant) -> Resolution:
 
 
 def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = None) -> Resolution:
-    from fp8kit.registry.cache import known_commit, model_dir
+    from fp8kit.registry.cache import known_commit, model_dir, verify
 
     from pathlib import Path
 
@@ -85,12 +87,20 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
         if scheme in v.serves:
             return _answer(name, scheme, v)
     # where cached_conversion() writes: model_dir(name) / the source's commit / entry_name
-    commit = known_commit(name) or f"<commit of {revision or 'main'}, fetched at conversion>"
-    cache = model_dir(name) / commit / entry_name(scheme)
+    commit = known_commit(name)
+    folder = commit or f"<commit of {revision or 'main'}, fetched at conversion>"
+    cache = model_dir(name) / folder / entry_name(scheme)
+    cached = commit is not None and verify(cache)
+    if cached:  # fp8-convert would refuse an existing OUT: there is nothing to run
+        command = None
+    elif commit:
+        command = shlex.join(["fp8-convert", name, str(cache), "--scheme", scheme])
+    else:  # OUT is named by a commit not known yet: ensure() fetches it, then converts into its folder and records it
+        command = shlex.join(["python", "-c", f"from fp8kit.registry import ensure; "
+                                              f"print(ensure({json.dumps(name)}, {json.dumps(scheme)}))"])
     return Resolution(name=name, scheme=scheme, repo_id=None, format="compressed-tensors", source="convert",
-                      family=matches[0].family if matches else None,
-                      convert_command=shlex.join(["fp8-convert", name, str(cache), "--scheme", scheme]),
-                      cache_dir=str(cache))
+                      family=matches[0].family if matches else None, convert_command=command, cache_dir=str(cache),
+                      cached=cached)
 
 
 def entry_name(scheme: str, fmt: str = "compressed-tensors") -> str:
