@@ -33,8 +33,36 @@ def key_renamer(model: torch.nn.Module) -> Callable[[str], str]:
     converters: list[WeightConverter] = []
 
     def rename(name: str) -> str:
-        return rename_source_key(name, conversions, converters, model.base_model_prefix, meta)[0]
+        renamed = rename_source_key(name, conversions, converters, model.base_model_prefix, meta)[0]
+        module, _, leaf = name.rpartition(".")
+        if renamed == name and module and leaf != "weight":
+            # a tensor the model does not have (weight_scale, input_scale) takes its module's weight's renaming: the
+            # base model's prefix is added or stripped only for names the model has
+            weight = rename_source_key(f"{module}.weight", conversions, converters, model.base_model_prefix, meta)[0]
+            if weight != f"{module}.weight":
+                return f"{weight.removesuffix('.weight')}.{leaf}"
+        return renamed
     return rename
+
+
+def build_model(config, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The model from_pretrained would build for `config` as a causal LM: AutoModelForCausalLM's, else the class
+    config.json's `architectures` names (Mistral 3's Mistral3ForConditionalGeneration, which no causal-LM auto class
+    maps), else the image-text-to-text auto class's. Raises ValueError when none takes the config."""
+    import transformers
+
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    except ValueError as e:
+        named = (getattr(config, "architectures", None) or [""])[0]
+        model_class = getattr(transformers, named, None) if named else None
+        if model_class is not None and hasattr(model_class, "_from_config"):
+            return model_class._from_config(config, **kwargs)
+        try:
+            return transformers.AutoModelForImageTextToText.from_config(config, **kwargs)
+        except ValueError:
+            raise e from None
 
 
 def loaded_names(src: Path, modules: list[str]) -> dict[str, str]:
@@ -44,8 +72,8 @@ def loaded_names(src: Path, modules: list[str]) -> dict[str, str]:
     passes ct_config.ignore to compressed-tensors' apply_quantization_config), so a kept module listed by its
     checkpoint name alone got an FP8 wrapper whose scales the checkpoint lacks: NaN logits or a silently wrong vision
     tower. vLLM maps the names it reads through the model's hf_to_vllm_mapper, which takes both forms, so the ignore
-    list names both. The model is built from config.json on the meta device: no weight is read. Empty where
-    transformers renames nothing, cannot build the architecture, or predates 5.0."""
+    list names both. The model is built from config.json on the meta device (build_model): no weight is read.
+    Empty where transformers renames nothing, cannot build the architecture, or predates 5.0."""
     if not modules:
         return {}
     try:
@@ -54,12 +82,10 @@ def loaded_names(src: Path, modules: list[str]) -> dict[str, str]:
         from fp8kit.quality import quiet
 
         with quiet():
-            config = transformers.AutoConfig.from_pretrained(src)
-            model_class = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
-            if model_class is None:
-                return {}
+            # never the checkpoint's own code (auto_map): transformers would ask on the terminal whether to run it
+            config = transformers.AutoConfig.from_pretrained(src, trust_remote_code=False)
             with torch.device("meta"):
-                model = model_class(config)
+                model = build_model(config)
         rename = key_renamer(model)
         linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
         names = {}

@@ -231,6 +231,14 @@ def test_multimodal_kept_modules_are_named_as_transformers_loads_them(tmp_path):
     src = build_checkpoint(tmp_path / "src", "gemma3_mm", torch.bfloat16, seed=3)
     report = convert(src, tmp_path / "out", scheme="dynamic", ignore=[r"layers\.0\.mlp\."])
     ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
+    # a config.json without `architectures`: the model is the one from_pretrained builds (its auto classes)
+    config = json.loads((src / "config.json").read_text())
+    del config["architectures"]
+    (tmp_path / "noarch").mkdir()
+    (tmp_path / "noarch" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "noarch" / "model.safetensors").symlink_to(src / "model.safetensors")
+    convert(tmp_path / "noarch", tmp_path / "noarch-out", scheme="dynamic", ignore=[r"layers\.0\.mlp\."])
+    assert json.loads((tmp_path / "noarch-out" / "config.json").read_text())["quantization_config"]["ignore"] == ignore
     for name in ("vision_tower.encoder.layers.0.self_attn.q_proj", "language_model.model.layers.0.mlp.up_proj"):
         assert name in ignore and name in report.ignored
     for name in ("model.vision_tower.encoder.layers.0.self_attn.q_proj", "model.language_model.layers.0.mlp.up_proj"):
@@ -275,3 +283,7 @@ def test_ignore_pattern_matching_nothing_is_warned(llama_dir, tmp_path):
     assert "model.layers.0.self_attn.o_proj" in report.quantized
     warned = [w for w in report.warnings if "matched no weight" in w]
     assert len(warned) == 1 and "o_proj" in warned[0] and "layers\\\\.1" not in warned[0], warned
+    # lm_head is always kept: naming it, as llm-compressor recipes do, is no mistake even where it is tied
+    tied = build_checkpoint(tmp_path / "qwen3", "qwen3", torch.bfloat16, seed=1)
+    report = convert(tied, tmp_path / "tied", scheme="dynamic", ignore=["lm_head"])
+    assert not [w for w in report.warnings if "matched no weight" in w], report.warnings

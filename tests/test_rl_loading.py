@@ -392,3 +392,21 @@ def test_multimodal_models_train_their_language_model(tmp_path, arch, model_clas
     load_adapter(reloaded, tmp_path / "adapter")
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_checkpoint_saved_without_the_model_prefix_loads_in_fp8(tmp_path):
+    """A Llama saved without `model.` (from the base model): transformers adds the prefix to the names the model has,
+    and the FP8 scales, which it has not, follow their weights (they stayed unplaced: "has no place in the model")."""
+    src = build_checkpoint(tmp_path / "src", "llama", torch.float32, seed=1)
+    tensors = load_file(src / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in tensors.items()}, src / "model.safetensors", metadata={"format": "pt"})
+    out = Path(convert(src, tmp_path / "fp8", scheme="dynamic").out)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert "layers.0.mlp.down_proj.weight_scale" in f.keys()
+    fp8 = load_fp8_model(out, torch.float32, lora_rank=2)
+    assert isinstance(fp8.model.layers[0].mlp.down_proj, FP8LoRALinear)
+    prefixed = build_checkpoint(tmp_path / "orig", "llama", torch.float32, seed=1)  # the same model, as saved
+    reference = load_fp8_model(Path(convert(prefixed, tmp_path / "orig-fp8", scheme="dynamic").out), torch.float32,
+                               lora_rank=2)
+    with torch.no_grad():
+        assert torch.equal(fp8(input_ids=IDS).logits, reference(input_ids=IDS).logits)

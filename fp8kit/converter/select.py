@@ -191,7 +191,7 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
             f"(engines load a layer's experts with one quantization): {', '.join(layers[:4])}"
             f"{' ...' if len(layers) > 4 else ''}")
     unmatched = [p.pattern for p in patterns
-                 if not any(p.search(_module(name)) for name in tensors)]
+                 if not any(p.search(name) for name in [*map(_module, tensors), "lm_head"])]  # lm_head: always kept
     if unmatched:
         sel.warnings.append(
             f"--ignore {', '.join(repr(u) for u in unmatched)} matched no weight: patterns are searched in module "

@@ -283,19 +283,14 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
 
 
 def _model_for(config, dtype: torch.dtype, where: str) -> nn.Module:
-    """The model AutoModelForCausalLM builds for the config, else the class config.json's `architectures` names
-    (Mistral 3's Mistral3ForConditionalGeneration, which no causal-LM auto class maps): what vLLM builds too."""
-    import transformers
+    """The model from_pretrained would build (loaded_names.build_model), or one line saying there is none."""
+    from fp8kit.loaded_names import build_model
 
     try:
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return build_model(config, dtype)
     except ValueError as e:
-        named = (getattr(config, "architectures", None) or [""])[0]
-        model_class = getattr(transformers, named, None) if named else None
-        if model_class is None or not hasattr(model_class, "_from_config"):
-            raise Fp8kitError(f"{where}: transformers has no causal language model for model_type "
-                              f"{config.model_type!r} ({_one_line(e)}); a newer transformers may be needed") from e
-        return model_class._from_config(config, dtype=dtype)
+        raise Fp8kitError(f"{where}: transformers has no causal language model for model_type "
+                          f"{config.model_type!r} ({_one_line(e)}); a newer transformers may be needed") from e
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
