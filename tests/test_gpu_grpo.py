@@ -147,3 +147,66 @@ def test_vllm_shares_the_weights_of_each_architecture(tmp_path, arch):
     assert run["engine"] == "vllm" and run["base"] > 0 and run["lora"] == 14, run
     assert run["outside"] == [] and run["differing"] == [], run
     assert all(0 <= k < 0.05 for k in run["mismatch_kl"]), run
+
+
+SYNC_RUN = r'''
+import json, sys
+from pathlib import Path
+
+import torch
+
+from fp8kit import convert
+from fp8kit.converter.calibration import DEFAULT_CALIBRATION
+from fp8kit.errors import Fp8kitError
+from fp8kit.models import add_tokenizer, build_checkpoint
+from fp8kit.rl.grpo import GRPOConfig, train
+from fp8kit.rl.loader import lora_modules
+from fp8kit.rl.model import load_model
+
+work = Path(sys.argv[1])
+src = build_checkpoint(work / "src", "llama", torch.bfloat16, seed=0)
+add_tokenizer(src, DEFAULT_CALIBRATION.read_text(), 400)
+out = convert(src, work / "fp8", scheme="dynamic").out
+result = {}
+try:
+    load_model(out, max_seq_length=128, lora_rank=8, target_modules=["q_proj", "lm_head"])
+except Fp8kitError as e:
+    result["lm_head"] = str(e)
+model, tok = load_model(out, max_seq_length=128, lora_rank=8, vllm_kwargs={"kv_cache_memory_bytes": 256 << 20,
+                                                                             "enforce_eager": True})
+engine = model.rollout_engine
+prompt = list(range(100, 164))  # four whole 16-token blocks: prefix-cached
+first = engine.generate([prompt], 1, 1, seed=1)[0].logprobs  # cached under the zero adapter
+with torch.no_grad():  # a warm start, as load_adapter would make it
+    for m in lora_modules(model).values():
+        m.lora_B.normal_(0, 0.05)
+engine.sync_lora(model)  # awake: must drop the prefix cache itself
+after_sync = engine.generate([prompt], 1, 1, seed=1)[0].logprobs
+engine.llm.reset_prefix_cache()
+fresh = engine.generate([prompt], 1, 1, seed=1)[0].logprobs
+result.update(first=first, after_sync=after_sync, fresh=fresh)
+with torch.no_grad():
+    for m in lora_modules(model).values():
+        m.lora_B.normal_(0, 0.05)  # set after the sync above: train() must sync it before step 1
+history = train(model, tok, ["the quick brown fox", "a lazy dog"], [lambda completions, **_: [len(c) % 3 / 2 for c in completions]],
+                GRPOConfig(steps=2, prompts_per_step=2, num_generations=4, max_completion_length=16, seed=0))
+result["mismatch_kl"] = [h["mismatch_kl"] for h in history]
+print("@@" + json.dumps(result))
+'''
+
+
+@pytest.mark.gpu
+def test_the_adapter_reaches_vllm_before_the_first_step_and_no_stale_prefix_is_served(tmp_path):
+    """A warm-started adapter (set after the engine got its zero copy) is synced before step 1: the first step's
+    mismatch KL is as low as the second's. A sync while awake drops the prefix cache (the adapter keeps its id, so
+    vLLM would serve prompts' KV from the old weights). LoRA on lm_head is refused with vLLM rollouts."""
+    pytest.importorskip("vllm")
+    proc = subprocess.run([sys.executable, "-c", SYNC_RUN, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout.split("@@")[-1])
+    assert "vLLM rollouts carry no LoRA on lm_head" in run["lm_head"]
+    assert run["after_sync"] == pytest.approx(run["fresh"], abs=1e-3) and run["after_sync"] != run["first"], run
+    assert all(0 <= k < 0.05 for k in run["mismatch_kl"]), run
+    assert run["mismatch_kl"][0] < 3 * run["mismatch_kl"][1] + 1e-3, run

@@ -642,3 +642,29 @@ def test_chat_prompts_reach_the_engine_and_the_trainer_with_one_bos(tiny_fp8, mo
     for prompts in ([templated], [messages]):
         with pytest.raises(Fp8kitError, match=f"prompt 0 has {len(chat_ids)} tokens, and max_seq_length"):
             train(model, tok, prompts, reward, config)
+
+
+def test_a_fresh_run_syncs_the_adapter_before_its_first_rollout(tiny_fp8):
+    """The rollout engine got its copy of the adapter when the model was built (B zero, for vLLM); an adapter set
+    since (a warm start) reached it only after step 1's update, so step 1 sampled from another policy than the one
+    scored. train() syncs first, fresh or resumed."""
+    from fp8kit.rl.rollout import HFRollout
+
+    calls = []
+
+    class Recording(HFRollout):
+        def sync_lora(self, model):
+            calls.append(("sync", max(m.lora_B.abs().max().item() for m in lora_modules(model).values())))
+
+        def generate(self, *args, **kwargs):
+            calls.append(("generate", None))
+            return super().generate(*args, **kwargs)
+
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    with torch.no_grad():  # a warm start
+        for m in lora_modules(model).values():
+            m.lora_B.fill_(0.01)
+    train(model, tok, ["the quick", "lazy dog"], [lambda completions, **_: [len(c) / 10 for c in completions]],
+          GRPOConfig(steps=1, prompts_per_step=2, num_generations=2, max_completion_length=4, seed=0),
+          rollout=Recording(model, tok))
+    assert calls[0] == ("sync", pytest.approx(0.01)) and calls[1][0] == "generate", calls

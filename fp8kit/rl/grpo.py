@@ -469,7 +469,9 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     start = 0
     if resume is not None:
         start = load_checkpoint(resume, model, optimizer, masters, scaler)
-        rollout.sync_lora(model)
+    # the engine samples step 1 from the adapter the trainer scores with: vLLM got its copy when the model was built
+    # (B zero), and an adapter loaded or set since (a warm start from SFT, load_adapter) reaches it only here
+    rollout.sync_lora(model)
     if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device = params[0].device

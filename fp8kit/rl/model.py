@@ -59,6 +59,11 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
                           f"CUDA_VISIBLE_DEVICES={device.index} and pass device='cuda', or pass fast_inference=False")
     if with_vllm:  # before _checkpoint, which may convert the model
         check_rollout_arguments(dtype, lora_rank)
+        if lora_rank and "lm_head" in lora_targets(lora_rank, lora_alpha, target_modules, 0.0, device):
+            # vLLM's lm_head LoRA (LogitsProcessorWithLoRA) keeps one stacked tensor, not one per packed slice as
+            # VLLMRollout.sync_lora writes them: the first sync would fail after a whole rollout and training step
+            raise Fp8kitError("target_modules 'lm_head': vLLM rollouts carry no LoRA on lm_head; leave it out, or pass "
+                              "fast_inference=False")
     local = Path(name).expanduser()
     if local.is_dir() and read_config(local)[1] is None:  # an original to convert: its tokenizer before minutes of work
         _check_tokenizer_files(local)

@@ -243,8 +243,9 @@ class VLLMRollout:
     @torch.no_grad()
     def sync_lora(self, model: nn.Module) -> None:
         """Write the trainer's LoRA into vLLM's active adapter slot (B scaled by alpha/r), in place. The adapter
-        keeps its id, so vLLM's prefix cache would still serve prompts' KV computed under the old weights: the GRPO
-        loop calls this between sleep() (vLLM's LLM.sleep resets the prefix cache) and wake()."""
+        keeps its id (and vLLM its cache key, lora/cache_identity.py), so vLLM's prefix cache would still serve
+        prompts' KV computed under the old weights: the GRPO loop calls this between sleep() (which resets the
+        prefix cache) and wake(); called while awake (train()'s first sync, user code) it resets the cache itself."""
         if self.lora_request is None:
             return
         from fp8kit.rl.loader import lora_modules
@@ -271,6 +272,8 @@ class VLLMRollout:
                                   f"{missing[0]}; restrict target_modules to projections vLLM wraps")
             self._covered = True
         torch.cuda.synchronize()
+        if not self.asleep:
+            self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
         """Release the KV cache for training; the weights stay at their addresses (level 1, weights re-woken)."""
