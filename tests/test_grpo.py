@@ -668,3 +668,22 @@ def test_a_fresh_run_syncs_the_adapter_before_its_first_rollout(tiny_fp8):
           GRPOConfig(steps=1, prompts_per_step=2, num_generations=2, max_completion_length=4, seed=0),
           rollout=Recording(model, tok))
     assert calls[0] == ("sync", pytest.approx(0.01)) and calls[1][0] == "generate", calls
+
+
+def test_vllm_rollouts_refuse_lm_head_lora_and_multimodal_models_before_starting(tiny_fp8, tmp_path, monkeypatch):
+    """With vLLM rollouts (faked here: a CUDA device and vLLM installed), LoRA on lm_head (vLLM's lm_head LoRA has
+    no per-slice stacks: the first sync failed after a whole step) and a model with a vision tower (its fused
+    projections are not mapped) are one line before any engine starts."""
+    from fp8kit.rl import loader
+    from fp8kit.rl import model as rl_model
+
+    for module in (rl_model, loader):
+        monkeypatch.setattr(module, "check_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(rl_model, "_vllm_available", lambda: True)
+    with pytest.raises(Fp8kitError, match="vLLM rollouts carry no LoRA on lm_head"):
+        load_model(str(tiny_fp8), lora_rank=8, target_modules=["q_proj", "lm_head"])
+    src = build_checkpoint(tmp_path / "src", "gemma3_mm", torch.bfloat16, seed=1)
+    out = convert(src, tmp_path / "fp8", scheme="dynamic").out
+    with pytest.raises(Fp8kitError, match="Gemma3ForConditionalGeneration has a vision or audio tower.*"
+                                          "fast_inference=False"):
+        load_model(out, lora_rank=8)

@@ -14,11 +14,11 @@ from pathlib import Path
 from fp8kit.converter import source
 from fp8kit.converter.calibration import calibration_samples, kv_cache_scheme, model_run_error
 from fp8kit.converter.formats import ignore_list
-from fp8kit.loaded_names import loaded_names
 from fp8kit.converter.output import atomic_directory, check_out
 from fp8kit.converter.schemes import SCHEMES
 from fp8kit.converter.select import natural_key, select
 from fp8kit.errors import Fp8kitError
+from fp8kit.loaded_names import loaded_names
 
 RUN_FIX = "use --scheme tensor or dynamic, which read the weights without running the model"
 

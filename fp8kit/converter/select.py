@@ -94,6 +94,21 @@ def expert_layer(module: str) -> str | None:
     return match.group(1) if match else None
 
 
+def _share_status(wanted: dict[str, bool], reason: dict[str, str], group_of, why: str) -> None:
+    """Modules of one group (group_of(module), None for none) that would be quantized stay in source precision,
+    for `why`, when another member does."""
+    groups: dict[object, list[str]] = {}
+    for module in wanted:
+        key = group_of(module)
+        if key is not None:
+            groups.setdefault(key, []).append(module)
+    for members in groups.values():
+        if not all(wanted[m] for m in members):
+            for m in members:
+                if wanted[m]:
+                    wanted[m], reason[m] = False, why
+
+
 def _check_source_dtype(info: TensorInfo) -> None:
     if info.dtype not in SOURCE_DTYPES:
         raise Fp8kitError(f"{info.path}: tensor {info.name!r} has dtype {info.dtype}; fp8-convert reads F32, F16 "
@@ -152,27 +167,10 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
             wanted[module], reason[module] = False, "shape"
         else:
             wanted[module] = True
-    # Fused siblings share one status: if one member stays in source precision, all do.
-    groups: dict[tuple[str, int], list[str]] = {}
-    for module in wanted:
-        key = _sibling_group(module)
-        if key is not None:
-            groups.setdefault(key, []).append(module)
-    for members in groups.values():
-        if not all(wanted[m] for m in members):
-            for m in members:
-                if wanted[m]:
-                    wanted[m], reason[m] = False, "sibling"
-    experts: dict[str, list[str]] = {}  # every projection of every expert of one MoE layer: one status
-    for module in wanted:
-        layer = expert_layer(module)
-        if layer is not None:
-            experts.setdefault(layer, []).append(module)
-    for members in experts.values():
-        if not all(wanted[m] for m in members):
-            for m in members:
-                if wanted[m]:
-                    wanted[m], reason[m] = False, "experts"
+    # Fused siblings share one status: if one member stays in source precision, all do; so do every projection of
+    # every expert of one MoE layer
+    _share_status(wanted, reason, _sibling_group, "sibling")
+    _share_status(wanted, reason, expert_layer, "experts")
     by_shape = [m for m in wanted if reason.get(m) == "shape"]
     if by_shape:
         sel.warnings.append(

@@ -23,13 +23,13 @@ import torch
 from fp8kit.converter import source
 from fp8kit.converter.calibration import KV_CACHE_DTYPES, kv_cache_scales, kv_cache_scheme
 from fp8kit.converter.formats import FORMATS, ignore_list, quantization_config, scale_name
-from fp8kit.loaded_names import loaded_names
 from fp8kit.converter.output import atomic_directory, check_out
 from fp8kit.converter.safetensors_io import (DTYPES, ITEMSIZE, OutTensor, TensorInfo, layout,
                                              read_bytes, save_small, to_tensor, write_all)
 from fp8kit.converter.schemes import SCHEMES, Scheme, amax, quantize_with_scale, scale_from_amax
 from fp8kit.converter.select import check_not_quantized, natural_key, select
 from fp8kit.errors import Fp8kitError
+from fp8kit.loaded_names import loaded_names
 
 CHUNK_BYTES = 16 << 20  # float32 working set of one quantization piece
 COPY_BYTES = 8 << 20  # one piece of a tensor copied as it is

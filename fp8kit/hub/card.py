@@ -43,9 +43,8 @@ def kept_layers(conversion: Path) -> list[str]:
     for block, every layer whose shape is not a multiple of 128."""
     import json
 
-    from fp8kit.converter.select import is_candidate  # the decoder Linears a scheme quantizes (not routers)
-
     from fp8kit.converter.safetensors_io import read_header
+    from fp8kit.converter.select import is_candidate  # the decoder Linears a scheme quantizes (not routers)
 
     qc = json.loads((conversion / "config.json").read_text()).get("quantization_config") or {}
     # by the checkpoint's names only: the list also names each kept module as transformers loads it (Gemma 3's

@@ -209,8 +209,10 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
                         None) if scheme else None
     quantized = {k[: -len(".weight")] for k in tensors if k.endswith(".weight")
                  and k[: -len("weight")] + str(scale_suffix) in tensors} if scheme else set()
-    plain = {n for n, m in model.named_modules()
-             if isinstance(m, nn.Linear) and n + ".weight" in tensors and n not in quantized}
+    # a vision or audio tower's Linears stay as they are: text-only GRPO never runs them, and vLLM puts LoRA on the
+    # language model alone
+    plain = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n + ".weight" in tensors
+             and n not in quantized and not NOT_LANGUAGE.search(n)}
     leaves = {n.rsplit(".", 1)[-1] for n in quantized | plain if not NOT_LANGUAGE.search(n)}
     if lora_rank:
         # every target named by the caller must exist; of the defaults, at least one (architectures differ)
@@ -233,10 +235,7 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
                     f"writes them), which fp8kit's block layers cannot compute; convert the source model again with "
                     f"`fp8-convert SRC OUT --scheme block`, which keeps such Linears in source precision")
     # every quantized Linear becomes an FP8 layer (LoRA only on targets); of the others only the targets change
-    # a vision or audio tower's Linears stay as they are: text-only GRPO never runs them, and vLLM puts LoRA on the
-    # language model alone
-    lora_linears = quantized | ({n for n in plain if n.rsplit(".", 1)[-1] in targets and not NOT_LANGUAGE.search(n)}
-                                if lora_rank else set())
+    lora_linears = quantized | ({n for n in plain if n.rsplit(".", 1)[-1] in targets} if lora_rank else set())
     # the layers' own LoRA initialisation draws from the global generators: forked, so the caller's random state
     # stays as it was; seed_lora then draws every A from the seed
     with torch.random.fork_rng(devices=_rng_devices(device)):

@@ -49,7 +49,7 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
     if isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or max_seq_length < 2:
         raise Fp8kitError(f"max_seq_length={max_seq_length!r}: expected an integer >= 2 (prompt and completion tokens)")
     device = check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    lora_targets(lora_rank, lora_alpha, target_modules, 0.0, device)  # before any conversion or engine start
+    targets = lora_targets(lora_rank, lora_alpha, target_modules, 0.0, device)  # before any conversion or engine start
     check_seed(seed)
     with_vllm = fast_inference and device.type == "cuda" and _vllm_available()
     if with_vllm and device.index not in (None, 0):
@@ -59,7 +59,7 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
                           f"CUDA_VISIBLE_DEVICES={device.index} and pass device='cuda', or pass fast_inference=False")
     if with_vllm:  # before _checkpoint, which may convert the model
         check_rollout_arguments(dtype, lora_rank)
-        if lora_rank and "lm_head" in lora_targets(lora_rank, lora_alpha, target_modules, 0.0, device):
+        if lora_rank and "lm_head" in targets:
             # vLLM's lm_head LoRA (LogitsProcessorWithLoRA) keeps one stacked tensor, not one per packed slice as
             # VLLMRollout.sync_lora writes them: the first sync would fail after a whole rollout and training step
             raise Fp8kitError("target_modules 'lm_head': vLLM rollouts carry no LoRA on lm_head; leave it out, or pass "
