@@ -308,6 +308,8 @@ def cache_rm(name, remove_all):
 @click.option("--base-model", default=None, metavar="ORG/NAME", help="The source's Hub name (required for a local SRC).")
 @click.option("--scheme", "schemes", multiple=True, type=click.Choice(["dynamic", "block", "tensor"]),
               help="Repeat for several variants.")
+@click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "fp8"]), default="compressed-tensors",
+              show_default=True, help="fp8 is the DeepSeek-V3 / Qwen3-*-FP8 layout (block and tensor only).")
 @click.option("--repo-template", default="{org}/{name}-FP8-{Scheme}", show_default=True)
 @click.option("--org", default=None, help="Where to publish (default: the token's user).")
 @click.option("--private", is_flag=True)
@@ -320,25 +322,28 @@ def cache_rm(name, remove_all):
                                              "another base model); its files are replaced by the staged ones.")
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
               help="A TOML plan of many models x schemes; goes on past failures. Its [[model]] tables give SRC, "
-                   "--base-model and --scheme; --org, --max-kl and --repo-template are its defaults.")
+                   "--base-model and --scheme; --org, --max-kl, --repo-template and --format are its defaults.")
 @click.option("--json", "as_json", is_flag=True)
-def publish(src, base_model, schemes, repo_template, org, private, create_pr, max_kl, dry_run, staging, force,
+def publish(src, base_model, schemes, fmt, repo_template, org, private, create_pr, max_kl, dry_run, staging, force,
             plan_path, as_json):
     """Convert SRC to FP8, validate it against the source, write its model card, upload and register it."""
     from pathlib import Path
 
     results = []
     try:
-        from fp8kit.hub.publish import (PublishResult, check_max_kl, check_repo_template, publish as run, read_plan,
-                                        repo_id_for)
+        from fp8kit.hub.publish import (PublishResult, check_format, check_max_kl, check_repo_template,
+                                        publish as run, read_plan, repo_id_for)
 
         check_repo_template(repo_template)  # once, not once per plan entry
         check_max_kl(max_kl)
         if plan_path:
-            jobs = _plan_jobs(Path(plan_path), read_plan, src, base_model, schemes, repo_template, org, max_kl)
+            jobs = _plan_jobs(Path(plan_path), read_plan, src, base_model, schemes, repo_template, org, max_kl, fmt)
+            for i, job in enumerate(jobs):  # the command line's --format reaches entries the plan did not check
+                check_format(job["fmt"], job["schemes"], f"{plan_path}: [[model]] number {i + 1}: format")
         elif src and schemes:
+            check_format(fmt, schemes)
             jobs = [dict(src=src, schemes=list(schemes), base_model=base_model, repo_template=repo_template, org=org,
-                         max_kl=max_kl)]
+                         max_kl=max_kl, fmt=fmt)]
         else:
             _fail("give SRC and at least one --scheme, or --plan FILE", 2)
         for job in jobs:
@@ -384,9 +389,10 @@ def publish(src, base_model, schemes, repo_template, org, private, create_pr, ma
         sys.exit(1)
 
 
-def _plan_jobs(path, read_plan, src, base_model, schemes, repo_template, org, max_kl) -> list[dict]:
+def _plan_jobs(path, read_plan, src, base_model, schemes, repo_template, org, max_kl, fmt) -> list[dict]:
     """The plan's jobs. Its [[model]] tables give src, base_model and schemes, so SRC, --base-model and --scheme are
-    refused beside it; --org, --max-kl and --repo-template are its defaults, refused where its top level sets them."""
+    refused beside it; --org, --max-kl, --repo-template and --format are its defaults, refused where its top level
+    sets them."""
     from click.core import ParameterSource
 
     per_run = [name for name, given in (("SRC", src), ("--base-model", base_model), ("--scheme", schemes)) if given]
@@ -394,10 +400,13 @@ def _plan_jobs(path, read_plan, src, base_model, schemes, repo_template, org, ma
         _fail(f"--plan {path}: its [[model]] tables give src, base_model and schemes; drop {', '.join(per_run)} from "
               f"the command line, or drop --plan", 2)
     plan = read_plan(path)
-    template_given = click.get_current_context().get_parameter_source("repo_template") != ParameterSource.DEFAULT
+    context = click.get_current_context()
+    template_given, format_given = (context.get_parameter_source(name) != ParameterSource.DEFAULT
+                                    for name in ("repo_template", "fmt"))
     both = [(key, option) for key, option, given in (("org", "--org", org is not None),
                                                       ("max_kl", "--max-kl", max_kl is not None),
-                                                      ("repo_template", "--repo-template", template_given))
+                                                      ("repo_template", "--repo-template", template_given),
+                                                      ("format", "--format", format_given))
             if given and key in plan]
     if both:
         _fail(f"--plan {path}: its top level sets " + " and ".join(repr(k) for k, _ in both) + ", and the command line "
@@ -405,7 +414,8 @@ def _plan_jobs(path, read_plan, src, base_model, schemes, repo_template, org, ma
               f"plan that has none)", 2)
     jobs = [dict(src=m["src"], schemes=list(m["schemes"]), base_model=m.get("base_model"),
                  repo_template=m.get("repo_template", plan.get("repo_template", repo_template)),
-                 org=m.get("org", plan.get("org", org)), max_kl=m.get("max_kl", plan.get("max_kl", max_kl)))
+                 org=m.get("org", plan.get("org", org)), max_kl=m.get("max_kl", plan.get("max_kl", max_kl)),
+                 fmt=m.get("format", plan.get("format", fmt)))
             for m in plan["model"]]
     _refuse_shared_repos(path, jobs)
     return jobs

@@ -354,3 +354,43 @@ def test_card_counts_each_kept_layer_once_where_transformers_renames_it(tmp_path
     ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
     assert "model.language_model.layers.0.mlp.up_proj" in ignore
     assert kept_layers(out) == [f"language_model.model.layers.0.mlp.{p}" for p in ("down_proj", "gate_proj", "up_proj")]
+
+
+def test_block_in_the_fp8_format_is_published_registered_and_kept_apart_from_compressed_tensors(tmp_path, hub, src):
+    """--format fp8: the DeepSeek-V3 / Qwen3-*-FP8 layout SGLang and vLLM read (`weight_scale_inv`), converted
+    through the cache, validated, carded and registered with its format; the same repo in compressed-tensors is
+    then refused before converting."""
+    from safetensors import safe_open
+
+    args = [src, "--base-model", "org/tiny", "--scheme", "block", "--json"]
+    proc = publish(tmp_path, hub, *args, "--format", "fp8")
+    assert proc.returncode == 0, proc.stderr
+    out = results(proc)["tester/tiny-FP8-Block"]
+    assert out["status"] == "uploaded" and out["metrics"]["kl"] < 5e-3
+    qc = json.loads(hub.file("tester/tiny-FP8-Block", "config.json"))["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
+    weights = tmp_path / "weights.safetensors"
+    weights.write_bytes(hub.file("tester/tiny-FP8-Block", "model.safetensors"))
+    with safe_open(weights, "pt") as f:
+        names = set(f.keys())
+    assert any(n.endswith(".weight_scale_inv") for n in names) and not any(n.endswith(".weight_scale") for n in names)
+    assert json.loads(hub.file("tester/tiny-FP8-Block", "fp8kit.json"))["format"] == "fp8"
+    card = ModelCard(hub.file("tester/tiny-FP8-Block", "README.md").decode())
+    assert "fp8" in card.data.tags and "compressed-tensors" not in card.data.tags
+    assert "`weight_scale_inv`" in card.text and "--format fp8" in card.text
+    assert next(tmp_path.joinpath("fp8cache").glob("local--tiny-llama-*/*/block-fp8-fp8kit*")).is_dir()
+    overlay = (tmp_path / "overlay.toml").read_text()
+    assert 'format = "fp8"' in overlay and 'scheme = "block"' in overlay
+    env = {**os.environ, "FP8KIT_REGISTRY": str(tmp_path / "overlay.toml"), "FP8KIT_CACHE": str(tmp_path / "fp8cache"),
+           "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home")}
+    answer = subprocess.run([sys.executable, "-m", "fp8kit.cli", "resolve", "org/tiny", "--scheme", "block", "--json"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert answer.returncode == 0, answer.stderr
+    resolved = json.loads(answer.stdout)
+    assert (resolved["repo_id"], resolved["format"], resolved["source"]) == ("tester/tiny-FP8-Block", "fp8", "overlay")
+
+    uploads = [r for r in hub.requests if r[0] == "POST"]
+    proc = publish(tmp_path, hub, *args)  # compressed-tensors into the repo registered as fp8
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "as block (fp8), not block (compressed-tensors)" in proc.stderr
+    assert [r for r in hub.requests if r[0] == "POST"] == uploads

@@ -68,6 +68,11 @@ GOOD = '[[model]]\nsrc = "{src}"\nbase_model = "org/tiny"\nschemes = ["dynamic"]
     ("", 'schemes = ["dynamic"]\nrepo_template = "{org}/{name"', "[[model]] number 2: 'repo_template' '{org}/{name'"),
     ("", 'schemes = ["dynamic"]\nmax-kl = 0.01', "[[model]] number 2: unknown key 'max-kl'"),
     ("", 'schemes = ["dynamic"]\nrepo_template = 3', "[[model]] number 2: 'repo_template' must be a string"),
+    ("", 'schemes = ["block"]\nformat = "gguf"', "[[model]] number 2: 'format' must be 'compressed-tensors' or 'fp8'"),
+    ('format = "fp8"\n', 'schemes = ["block"]\nbase_model = "org/b"', "[[model]] number 1: format fp8: has no layout "
+                                                                       "for dynamic"),
+    ("", 'schemes = ["block", "dynamic"]\nformat = "fp8"\nbase_model = "org/b"', "[[model]] number 2: format fp8: "
+                                                                                "has no layout for dynamic"),
 ])
 def test_plan_fields_are_type_checked_before_any_work(tmp_path, src, top, entry, needle):
     plan = tmp_path / "plan.toml"
@@ -346,9 +351,11 @@ def test_plan_with_per_run_arguments_is_refused(tmp_path, src, extra, named):
 
 
 @pytest.mark.parametrize("key,option,value", [("org", "--org", "other"), ("max_kl", "--max-kl", "0.5"),
-                                              ("repo_template", "--repo-template", "{org}/{name}-fp8-{scheme}")])
+                                              ("repo_template", "--repo-template", "{org}/{name}-fp8-{scheme}"),
+                                              ("format", "--format", "compressed-tensors")])
 def test_plan_and_command_line_giving_the_same_default_is_refused(tmp_path, src, key, option, value):
-    """--org, --max-kl and --repo-template are the plan's defaults when it has none; both at once is ambiguous."""
+    """--org, --max-kl, --repo-template and --format are the plan's defaults when it has none; both at once is
+    ambiguous."""
     plan = tmp_path / "plan.toml"
     toml_value = value if key == "max_kl" else f'"{value}"'
     plan.write_text(f"{key} = {toml_value}\n" + GOOD.format(src=src))
@@ -399,8 +406,8 @@ def test_a_repo_registered_for_another_base_model_is_refused_before_converting(t
     from fp8kit.errors import Fp8kitError
 
     with pytest.raises(Fp8kitError, match="registered in .* as an FP8 variant of org-a/Foo-7B, not org-b/Foo-7B"):
-        _check_registered_schemes(["dynamic"], "{org}/{name}-FP8-{Scheme}", "tester", "org-b/Foo-7B")
-    _check_registered_schemes(["dynamic"], "{org}/{name}-FP8-{Scheme}", "tester", "ORG-A/foo-7b")  # the same one
+        _check_registered_schemes(["dynamic"], "compressed-tensors", "{org}/{name}-FP8-{Scheme}", "tester", "org-b/Foo-7B")
+    _check_registered_schemes(["dynamic"], "compressed-tensors", "{org}/{name}-FP8-{Scheme}", "tester", "ORG-A/foo-7b")  # the same one
 
 
 def test_plan_entries_that_land_in_one_repo_are_refused_before_any_work(tmp_path, src):
@@ -463,3 +470,23 @@ def test_publish_with_hf_hub_offline_says_to_unset_it(tmp_path, src, monkeypatch
                                                     "dynamic"]))
     assert "HF_HUB_OFFLINE" in line and "--dry-run" in line and "re-run" not in line and "x" * 30 not in line, line
     assert not (tmp_path / "fp8cache").exists()
+
+
+def test_format_fp8_with_a_per_channel_scheme_is_one_line_before_any_work(tmp_path, src):
+    result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--scheme", "block",
+                                       "--scheme", "dynamic", "--format", "fp8", "--dry-run", "--org", "me",
+                                       "--staging", str(tmp_path / "staging")])
+    line = one_line_error(result)
+    assert "--format fp8: has no layout for dynamic" in line and "compressed-tensors" in line, line
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+
+
+def test_command_line_format_reaches_plan_entries_and_is_checked_before_any_work(tmp_path, src):
+    """A plan without format takes --format; an entry with a scheme that format cannot hold is refused up front."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(GOOD.format(src=src).replace('["dynamic"]', '["block"]') + GOOD.format(src=src))
+    result = CliRunner().invoke(main, ["publish", "--plan", str(plan), "--format", "fp8", "--dry-run", "--org", "me",
+                                       "--staging", str(tmp_path / "staging")])
+    line = one_line_error(result)
+    assert f"{plan}: [[model]] number 2: format fp8: has no layout for dynamic" in line, line
+    assert result.stdout == "" and not (tmp_path / "fp8cache").exists()

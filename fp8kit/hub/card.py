@@ -12,10 +12,14 @@ SCHEME_TEXT = {
                "quantized to FP8 per token at run time. The fastest general-purpose FP8 layout on Ada, Hopper "
                "and Blackwell GPUs.",
     "block": "**FP8-Block**: float8_e4m3fn weights with one scale per 128x128 block (the blocks of DeepSeek-V3 and "
-             "Qwen3-FP8, stored in the compressed-tensors format); activations are quantized per 1x128 group at run "
-             "time.",
+             "Qwen3-FP8); activations are quantized per 1x128 group at run time.",
     "tensor": "**FP8 per-tensor**: float8_e4m3fn weights with one scale per tensor; activations are quantized "
               "per token at run time.",
+}
+FORMAT_TEXT = {
+    "compressed-tensors": "`compressed-tensors` (`weight_scale` beside each weight)",
+    "fp8": "`fp8` (`quant_method: fp8`, inverse scales as `weight_scale_inv`, the layout of DeepSeek-V3 and "
+           "Qwen3-*-FP8)",
 }
 COPIED_FIELDS = ("license", "license_name", "license_link", "gated", "language")
 
@@ -74,7 +78,7 @@ def build_card(repo_id: str, base_model: str, scheme: str, fmt: str, metrics: di
 
 FP8 weights of [{base_model}](https://huggingface.co/{base_model}), made with fp8kit {__version__}.
 
-{SCHEME_TEXT[scheme]} Format: `{fmt}`. Embeddings, `lm_head`, norms and MoE routers stay in the source precision.{_kept_text(list(kept))}
+{SCHEME_TEXT[scheme]} Format: {FORMAT_TEXT[fmt]}. Embeddings, `lm_head`, norms and MoE routers stay in the source precision.{_kept_text(list(kept))}
 
 ## Validation
 

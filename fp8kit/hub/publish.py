@@ -23,7 +23,8 @@ from pathlib import Path
 from fp8kit.errors import Fp8kitError
 
 PROVENANCE = "fp8kit.json"
-SCHEME_FORMAT = {"dynamic": "compressed-tensors", "block": "compressed-tensors", "tensor": "compressed-tensors"}
+SCHEMES = ("dynamic", "block", "tensor")
+FORMATS = ("compressed-tensors", "fp8")
 
 
 @dataclass
@@ -46,6 +47,18 @@ class PublishInterrupted(KeyboardInterrupt):
     """Ctrl-C, or SIGTERM where fp8kit turns it into one (fp8kit.converter.output.sigterm_as_interrupt), during
     publish()'s work on a variant: raised once that variant's temporary files are removed; str() is one line
     naming the variant and the step, and what is left."""
+
+
+def check_format(fmt, schemes, where: str = "--format") -> None:
+    """The format holds every scheme asked for (the registry's SCHEME_FORMATS: fp8 has no per-channel layout)."""
+    from fp8kit.registry.catalog import SCHEME_FORMATS
+
+    if fmt not in FORMATS:
+        raise Fp8kitError(f"{where} {fmt!r}: expected {' or '.join(FORMATS)}")
+    bad = [s for s in schemes if fmt not in SCHEME_FORMATS.get(s, ())]
+    if bad:
+        raise Fp8kitError(f"{where} {fmt}: has no layout for {bad[0]} (per-channel scales); publish {bad[0]} in the "
+                          f"compressed-tensors format separately, or drop it")
 
 
 def check_max_kl(value, where: str = "--max-kl") -> None:
@@ -218,7 +231,8 @@ def _with_retries(fn, attempts: int = 3):
 def publish(src: str, schemes: list[str], base_model: str | None = None,
             repo_template: str = "{org}/{name}-FP8-{Scheme}", org: str | None = None, private: bool = False,
             create_pr: bool = False, max_kl: float | None = None, dry_run: bool = False,
-            staging: str | Path | None = None, force: bool = False, command: str | None = None) -> list[PublishResult]:
+            staging: str | Path | None = None, force: bool = False, command: str | None = None,
+            fmt: str = "compressed-tensors") -> list[PublishResult]:
     from fp8kit import __version__
     from fp8kit.converter import source
     from fp8kit.hub.card import build_card, kept_layers, source_terms
@@ -236,8 +250,9 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     if not is_repo_name(base_model):
         raise Fp8kitError(f"--base-model {base_model!r}: expected a Hub repo id ORG/NAME")
     for scheme in schemes:
-        if scheme not in SCHEME_FORMAT:
+        if scheme not in SCHEMES:
             raise Fp8kitError(f"--scheme {scheme!r}: expected dynamic, block or tensor")
+    check_format(fmt, schemes)
     check_repo_template(repo_template)
     check_max_kl(max_kl)
     if not create_pr:  # a broken or unwritable overlay found now, not after an upload (a dry run: see _check_overlay)
@@ -266,7 +281,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
                 raise Fp8kitError(f"--repo-template {repo_template!r} sends {seen[repo_id.lower()]} and {scheme} to "
                                   f"the same repo {repo_id}; put {{Scheme}} or {{scheme}} in it")
         if not create_pr:  # in a dry run too: it would succeed where the upload is refused
-            _check_registered_schemes(schemes, repo_template, org, base_model)
+            _check_registered_schemes(schemes, fmt, repo_template, org, base_model)
         src_dir = source.resolve(src)
         terms = source_terms(src_dir)
     except Fp8kitError as e:
@@ -280,6 +295,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
             return command
         return shlex.join(["fp8kit", "publish", str(src), "--base-model", base_model, "--scheme", scheme,
                            "--org", org, "--repo-template", repo_template]
+                          + (["--format", fmt] if fmt != "compressed-tensors" else [])
                           + (["--max-kl", repr(float(max_kl))] if max_kl is not None else []))
     # A staging folder of our own (no --staging) is removed when done, uploaded or not; a dry run keeps it only
     # when its report points there (something was staged and the run was not interrupted).
@@ -291,7 +307,6 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         with sigterm_as_interrupt():  # SIGTERM, like Ctrl-C, leaves no temporary folder (from Python too)
             for scheme in schemes:
                 repo_id = repo_id_for(repo_template, org, base_model, scheme)
-                fmt = SCHEME_FORMAT[scheme]
                 try:
                     step = "converting"
                     conversion = cached_conversion(str(src_dir) if local else src, scheme, fmt)
@@ -416,18 +431,18 @@ def _check_overlay(writable: bool = True) -> None:
                           f"to a writable file, or pass --dry-run or --create-pr; nothing was uploaded") from e
 
 
-def _check_registered_schemes(schemes, repo_template, org, base_model) -> None:
-    """A repo the overlay registers with another scheme is refused before converting: uploading there would make
-    `resolve` hand out these weights under the old scheme."""
+def _check_registered_schemes(schemes, fmt, repo_template, org, base_model) -> None:
+    """A repo the overlay registers with another scheme or format is refused before converting: uploading there would
+    make `resolve` hand out these weights under the old scheme or format."""
     from fp8kit.registry.catalog import load, overlay_path
 
     registered = {v.repo_id.lower(): v for v in load() if v.source == "overlay"}
     for scheme in schemes:
         repo_id = repo_id_for(repo_template, org, base_model, scheme)
         old = registered.get(repo_id.lower())
-        if old is not None and (old.scheme, old.format) != (scheme, SCHEME_FORMAT[scheme]):
-            raise Fp8kitError(f"{repo_id}: registered in {overlay_path()} as {old.scheme} ({old.format}), not {scheme}; "
-                              f"publish {scheme} under another --repo-template, or remove that entry first")
+        if old is not None and (old.scheme, old.format) != (scheme, fmt):
+            raise Fp8kitError(f"{repo_id}: registered in {overlay_path()} as {old.scheme} ({old.format}), not {scheme} "
+                              f"({fmt}); publish {scheme} under another --repo-template, or remove that entry first")
         # two models of one name (an upstream model and someone's finetune) fill the same default repo name
         if old is not None and base_model.lower() not in (b.lower() for b in old.base):
             raise Fp8kitError(f"{repo_id}: registered in {overlay_path()} as an FP8 variant of {', '.join(old.base)}, "
@@ -446,8 +461,8 @@ def _register(repo_id: str, scheme: str, fmt: str, base_model: str) -> None:
     append_to_overlay(Variant(repo_id, family, scheme, fmt, (scheme,), (base_model,), "overlay"), overlay_path())
 
 
-PLAN_TOP = {"org", "max_kl", "repo_template", "model"}
-PLAN_MODEL = {"src", "schemes", "base_model", "org", "max_kl", "repo_template"}
+PLAN_TOP = {"org", "max_kl", "repo_template", "format", "model"}
+PLAN_MODEL = {"src", "schemes", "base_model", "org", "max_kl", "repo_template", "format"}
 
 
 def _check_plan_field(where: str, key: str, value) -> None:
@@ -460,11 +475,13 @@ def _check_plan_field(where: str, key: str, value) -> None:
         if not isinstance(value, list) or not value or not all(isinstance(s, str) for s in value):
             raise Fp8kitError(f"{where}: 'schemes' must be a list of scheme names, e.g. "
                               f"schemes = [\"dynamic\", \"block\"] (not {value!r})")
-        bad = [s for s in value if s not in SCHEME_FORMAT]
+        bad = [s for s in value if s not in SCHEMES]
         if bad:
             raise Fp8kitError(f"{where}: 'schemes' has {bad[0]!r}; use dynamic, block or tensor")
     if key == "repo_template":
         check_repo_template(value, f"{where}: 'repo_template'")
+    if key == "format" and value not in FORMATS:
+        raise Fp8kitError(f"{where}: 'format' must be {' or '.join(repr(f) for f in FORMATS)} (not {value!r})")
 
 
 def read_plan(path: Path) -> dict:
