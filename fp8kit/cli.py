@@ -224,11 +224,13 @@ def resolve_cmd(name, scheme, as_json):
                    f"answering {answer.scheme})")
     elif answer.cached:
         click.echo(f"no upload for {name} ({answer.scheme}); converted already, cached in:\n  {answer.cache_dir}")
-    elif answer.convert_command.startswith("fp8-convert "):
+    elif answer.cache_dir:
         click.echo(f"no upload for {name} ({answer.scheme}); will convert and cache:\n  {answer.convert_command}")
     else:  # the commit, which names the cache folder, is fetched by the conversion: no fp8-convert OUT to give
-        click.echo(f"no upload for {name} ({answer.scheme}); will convert and cache in {answer.cache_dir}; convert "
-                   f"and cache it with:\n  {answer.convert_command}")
+        revision = answer.name.partition("@")[2] or "main"
+        click.echo(f"no upload for {name} ({answer.scheme}); will convert and cache in {answer.model_dir}, in the "
+                   f"folder of {revision}'s commit (not known here yet); convert and cache it with:\n  "
+                   f"{answer.convert_command}")
 
 
 @main.group()

@@ -424,7 +424,7 @@ def test_inline_overlay_arrays_name_the_entry_not_a_wrong_line(tmp_path):
 def test_a_pasted_name_with_spaces_is_used_stripped():
     answer = resolve("  Qwen/Qwen3-8B-Base \n", "dynamic")
     assert answer.name == "Qwen/Qwen3-8B-Base" and 'ensure("Qwen/Qwen3-8B-Base", ' in answer.convert_command
-    assert "Qwen--Qwen3-8B-Base/" in answer.cache_dir
+    assert answer.model_dir.endswith("Qwen--Qwen3-8B-Base") and answer.cache_dir is None  # commit not known
 
 
 def test_a_marker_edited_into_another_shape_is_rebuilt(tmp_path, llama_dir):

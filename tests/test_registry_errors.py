@@ -143,21 +143,23 @@ def test_registry_list_knows_the_overlay_s_families(tmp_path, overlay_text):
 
 
 @pytest.mark.parametrize("revision,commit", [
-    ("abc123", "<commit of abc123, fetched at conversion>"),
+    ("abc123", None),
     ("0123456789abcdef0123456789abcdef01234567", "0123456789abcdef0123456789abcdef01234567"),
 ])
 def test_resolve_of_a_pinned_revision_shows_the_cache_layout(tmp_path, monkeypatch, revision, commit):
     """`{org}--{name}/{source commit}/...`: the folder is the repo's, never `name@revision`, and the commit is
-    the pinned one (or says which revision it will be fetched from), never main's. A folder named by a commit not known
-    yet is no OUT for fp8-convert: the command printed then is ensure()'s, which fetches it first."""
+    the pinned one, never main's. A folder named by a commit not known yet is no OUT for fp8-convert: no cache_dir
+    is given then (it gave a placeholder path), and the command printed is ensure()'s, which fetches it first."""
     from fp8kit.registry import resolve
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     answer = resolve(f"Qwen/Qwen3-8B@{revision}", "dynamic")
-    assert answer.cache_dir == str(tmp_path / "fp8cache" / "Qwen--Qwen3-8B" / commit
-                                   / "dynamic-compressed-tensors-fp8kit0.1.0")
+    assert answer.model_dir == str(tmp_path / "fp8cache" / "Qwen--Qwen3-8B")
+    assert answer.cache_dir == (commit and str(tmp_path / "fp8cache" / "Qwen--Qwen3-8B" / commit
+                                               / "dynamic-compressed-tensors-fp8kit0.1.0"))
     result = CliRunner().invoke(main, ["resolve", f"Qwen/Qwen3-8B@{revision}", "--scheme", "dynamic"])
-    assert result.exit_code == 0 and answer.cache_dir in result.stdout
+    assert result.exit_code == 0 and (answer.cache_dir or f"{answer.model_dir}, in the folder of {revision}'s commit") \
+        in result.stdout, result.stdout
     command = result.stdout.strip().splitlines()[-1]
     assert command.strip() == answer.convert_command and "<" not in command
     assert command.strip().startswith("fp8-convert " if commit == revision else "python -c ")

@@ -27,7 +27,8 @@ class Resolution:
     family: str | None = None
     variant_scheme: str | None = None  # how the upload is quantized (Qwen's block uploads serve dynamic too)
     convert_command: str | None = None  # None when the conversion is cached already
-    cache_dir: str | None = None  # where the conversion is or will be cached
+    model_dir: str | None = None  # the model's cache folder: one folder per source commit
+    cache_dir: str | None = None  # where the conversion is or will be cached; None while the commit is not known
     cached: bool = False  # the conversion is in the cache, complete
 
     def to_dict(self) -> dict:
@@ -88,9 +89,8 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
             return _answer(name, scheme, v)
     # where cached_conversion() writes: model_dir(name) / the source's commit / entry_name
     commit = known_commit(name)
-    folder = commit or f"<commit of {revision or 'main'}, fetched at conversion>"
-    cache = model_dir(name) / folder / entry_name(scheme)
-    cached = commit is not None and verify(cache)
+    cache = model_dir(name) / commit / entry_name(scheme) if commit else None
+    cached = cache is not None and verify(cache)
     if cached:  # fp8-convert would refuse an existing OUT: there is nothing to run
         command = None
     elif commit:
@@ -99,8 +99,8 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
         command = shlex.join(["python", "-c", f"from fp8kit.registry import ensure; "
                                               f"print(ensure({json.dumps(name)}, {json.dumps(scheme)}))"])
     return Resolution(name=name, scheme=scheme, repo_id=None, format="compressed-tensors", source="convert",
-                      family=matches[0].family if matches else None, convert_command=command, cache_dir=str(cache),
-                      cached=cached)
+                      family=matches[0].family if matches else None, convert_command=command,
+                      model_dir=str(model_dir(name)), cache_dir=str(cache) if cache else None, cached=cached)
 
 
 def entry_name(scheme: str, fmt: str = "compressed-tensors") -> str:
