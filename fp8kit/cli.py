@@ -339,9 +339,8 @@ def publish(src, base_model, schemes, fmt, repo_template, org, private, create_p
         check_repo_template(repo_template)  # once, not once per plan entry
         check_max_kl(max_kl)
         if plan_path:
-            jobs = _plan_jobs(Path(plan_path), read_plan, src, base_model, schemes, repo_template, org, max_kl, fmt)
-            for i, job in enumerate(jobs):  # the command line's --format reaches entries the plan did not check
-                check_format(job["fmt"], job["schemes"], f"{plan_path}: [[model]] number {i + 1}: format")
+            jobs = _plan_jobs(Path(plan_path), read_plan, check_format, src, base_model, schemes, repo_template, org,
+                              max_kl, fmt)
         elif src and schemes:
             check_format(fmt, schemes)
             jobs = [dict(src=src, schemes=list(schemes), base_model=base_model, repo_template=repo_template, org=org,
@@ -391,7 +390,7 @@ def publish(src, base_model, schemes, fmt, repo_template, org, private, create_p
         sys.exit(1)
 
 
-def _plan_jobs(path, read_plan, src, base_model, schemes, repo_template, org, max_kl, fmt) -> list[dict]:
+def _plan_jobs(path, read_plan, check_format, src, base_model, schemes, repo_template, org, max_kl, fmt) -> list[dict]:
     """The plan's jobs. Its [[model]] tables give src, base_model and schemes, so SRC, --base-model and --scheme are
     refused beside it; --org, --max-kl, --repo-template and --format are its defaults, refused where its top level
     sets them."""
@@ -419,25 +418,31 @@ def _plan_jobs(path, read_plan, src, base_model, schemes, repo_template, org, ma
                  org=m.get("org", plan.get("org", org)), max_kl=m.get("max_kl", plan.get("max_kl", max_kl)),
                  fmt=m.get("format", plan.get("format", fmt)))
             for m in plan["model"]]
+    for i, (m, job) in enumerate(zip(plan["model"], jobs)):  # each entry's format, named where it was set
+        check_format(job["fmt"], job["schemes"], f"{path}: [[model]] number {i + 1}: format" if "format" in m else
+                     f"{path}: top-level format (for [[model]] number {i + 1})" if "format" in plan else
+                     f"--format (for {path}'s [[model]] number {i + 1})")
     _refuse_shared_repos(path, jobs)
     return jobs
 
 
 def _refuse_shared_repos(path, jobs: list[dict]) -> None:
     """Two [[model]] entries whose variants land in one repo (the default template fills it from the name alone, so
-    org-a/Foo and org-b/Foo collide): the later upload would replace the earlier one's weights under its name."""
+    org-a/Foo and org-b/Foo collide, and one model's two formats): the later upload would replace the earlier one's
+    weights under its name."""
     from fp8kit.hub.publish import repo_id_for
 
     seen = {}
     for i, job in enumerate(jobs):
-        source = (job["src"], job["base_model"] or job["src"].partition("@")[0])
+        source = (job["src"], job["base_model"] or job["src"].partition("@")[0], job["fmt"])
         for scheme in job["schemes"]:
             # an entry without org publishes under the token's user: one name for all such entries
             repo_id = repo_id_for(job["repo_template"], job["org"] or "{token user}", source[1], scheme)
             j, other = seen.setdefault(repo_id.lower(), (i, source))
             if other != source:
-                _fail(f"--plan {path}: [[model]] number {j + 1} ({other[0]}) and number {i + 1} ({source[0]}) both "
-                      f"publish {scheme} to {repo_id}; give one of them another repo_template or org", 2)
+                _fail(f"--plan {path}: [[model]] number {j + 1} ({other[0]}, {other[2]}) and number {i + 1} "
+                      f"({source[0]}, {source[2]}) both publish {scheme} to {repo_id}; give one of them another "
+                      f"repo_template or org", 2)
 
 
 if __name__ == "__main__":

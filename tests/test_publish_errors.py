@@ -69,10 +69,12 @@ GOOD = '[[model]]\nsrc = "{src}"\nbase_model = "org/tiny"\nschemes = ["dynamic"]
     ("", 'schemes = ["dynamic"]\nmax-kl = 0.01', "[[model]] number 2: unknown key 'max-kl'"),
     ("", 'schemes = ["dynamic"]\nrepo_template = 3', "[[model]] number 2: 'repo_template' must be a string"),
     ("", 'schemes = ["block"]\nformat = "gguf"', "[[model]] number 2: 'format' must be 'compressed-tensors' or 'fp8'"),
-    ('format = "fp8"\n', 'schemes = ["block"]\nbase_model = "org/b"', "[[model]] number 1: format fp8: has no layout "
-                                                                       "for dynamic"),
+    ('format = "fp8"\n', 'schemes = ["block"]\nbase_model = "org/b"', "top-level format (for [[model]] number 1) fp8: "
+                                                                       "has no per-channel layout"),
     ("", 'schemes = ["block", "dynamic"]\nformat = "fp8"\nbase_model = "org/b"', "[[model]] number 2: format fp8: "
-                                                                                "has no layout for dynamic"),
+                                                                                "has no per-channel layout"),
+    ("", 'schemes = ["tensor"]\nformat = "fp8"\nbase_model = "org/b"', "[[model]] number 2: format fp8: its "
+                                                                      "per-tensor scales are not read by transformers"),
 ])
 def test_plan_fields_are_type_checked_before_any_work(tmp_path, src, top, entry, needle):
     plan = tmp_path / "plan.toml"
@@ -231,6 +233,14 @@ def test_block_card_names_the_layers_kept_in_source_precision(tmp_path):
     assert "6 Linear layers kept in the source precision" in result.stdout
     dynamic = (tmp_path / "staging" / "me--odd-FP8-Dynamic" / "README.md").read_text()
     assert "could not take this scheme" not in dynamic
+    # the fp8 format lists them as modules_to_not_convert (it has no `ignore`): the card said nothing
+    result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/odd", "--scheme", "block", "--format",
+                                       "fp8", "--repo-template", "{org}/{name}-FP8", "--dry-run", "--org", "me",
+                                       "--staging", str(tmp_path / "staging"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)[0]["kept_in_source_precision"]) == 6
+    card = (tmp_path / "staging" / "me--odd-FP8" / "README.md").read_text()
+    assert "6 more Linear layers" in card and "`quantization_config.modules_to_not_convert`" in card
 
 
 def test_src_that_is_neither_a_folder_nor_a_repo_id_is_one_line(tmp_path):
@@ -421,6 +431,20 @@ def test_plan_entries_that_land_in_one_repo_are_refused_before_any_work(tmp_path
     assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
 
 
+def test_one_model_in_two_formats_into_one_repo_is_refused_before_any_work(tmp_path, src):
+    """The dry run staged both into one folder (the fp8 one replaced the other); an upload registered the first and
+    failed the second."""
+    plan = tmp_path / "plan.toml"
+    block = GOOD.format(src=src).replace('["dynamic"]', '["block"]')
+    plan.write_text(block + block + 'format = "fp8"\n')
+    result = CliRunner().invoke(main, ["publish", "--plan", str(plan), "--dry-run", "--org", "me", "--staging",
+                                       str(tmp_path / "staging")])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "compressed-tensors) and number 2" in result.stderr and "fp8) both publish block to me/tiny-FP8-Block" \
+        in result.stderr
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+
+
 def test_a_dry_run_refuses_what_the_upload_would_refuse_before_any_work(tmp_path, src, monkeypatch):
     """A dry run skipped the overlay checks: it staged a variant (exit 0) that the upload then refused."""
     overlay = tmp_path / "overlay.toml"
@@ -477,7 +501,7 @@ def test_format_fp8_with_a_per_channel_scheme_is_one_line_before_any_work(tmp_pa
                                        "--scheme", "dynamic", "--format", "fp8", "--dry-run", "--org", "me",
                                        "--staging", str(tmp_path / "staging")])
     line = one_line_error(result)
-    assert "--format fp8: has no layout for dynamic" in line and "compressed-tensors" in line, line
+    assert "--format fp8: has no per-channel layout" in line and "compressed-tensors" in line, line
     assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
 
 
@@ -488,5 +512,5 @@ def test_command_line_format_reaches_plan_entries_and_is_checked_before_any_work
     result = CliRunner().invoke(main, ["publish", "--plan", str(plan), "--format", "fp8", "--dry-run", "--org", "me",
                                        "--staging", str(tmp_path / "staging")])
     line = one_line_error(result)
-    assert f"{plan}: [[model]] number 2: format fp8: has no layout for dynamic" in line, line
+    assert f"--format (for {plan}'s [[model]] number 2) fp8: has no per-channel layout" in line, line
     assert result.stdout == "" and not (tmp_path / "fp8cache").exists()

@@ -18,7 +18,7 @@ SCHEME_TEXT = {
 }
 FORMAT_TEXT = {
     "compressed-tensors": "`compressed-tensors` (`weight_scale` beside each weight)",
-    "fp8": "`fp8` (`quant_method: fp8`, inverse scales as `weight_scale_inv`, the layout of DeepSeek-V3 and "
+    "fp8": "`fp8` (`quant_method: fp8`, 128x128 block scales as `weight_scale_inv`, the layout of DeepSeek-V3 and "
            "Qwen3-*-FP8)",
 }
 COPIED_FIELDS = ("license", "license_name", "license_link", "gated", "language")
@@ -43,8 +43,9 @@ def source_terms(src: Path) -> dict:
 
 
 def kept_layers(conversion: Path) -> list[str]:
-    """Linear layers the conversion left in the source precision besides lm_head (its config's ignore list):
-    for block, every layer whose shape is not a multiple of 128."""
+    """Linear layers the conversion left in the source precision besides lm_head (its config's ignore list:
+    compressed-tensors' `ignore`, the fp8 format's `modules_to_not_convert`): for block, every layer whose shape is
+    not a multiple of 128."""
     import json
 
     from fp8kit.converter.safetensors_io import read_header
@@ -54,14 +55,16 @@ def kept_layers(conversion: Path) -> list[str]:
     # by the checkpoint's names only: the list also names each kept module as transformers loads it (Gemma 3's
     # `language_model.model.layers.N` as `model.language_model.layers.N`), which would count it twice
     weights = {name for f in conversion.glob("*.safetensors") for name in read_header(f)[0]}
-    return [name for name in qc.get("ignore") or [] if is_candidate(name) and f"{name}.weight" in weights]
+    listed = qc.get("ignore") or qc.get("modules_to_not_convert") or []
+    return [name for name in listed if is_candidate(name) and f"{name}.weight" in weights]
 
 
-def _kept_text(kept: list[str]) -> str:
+def _kept_text(kept: list[str], fmt: str) -> str:
     if not kept:
         return ""
+    key = "ignore" if fmt == "compressed-tensors" else "modules_to_not_convert"
     return (f" {len(kept)} more Linear layer{'s' if len(kept) > 1 else ''} could not take this scheme and stay in the "
-            f"source precision too (`quantization_config.ignore`), e.g. `{kept[0]}`.")
+            f"source precision too (`quantization_config.{key}`), e.g. `{kept[0]}`.")
 
 
 def build_card(repo_id: str, base_model: str, scheme: str, fmt: str, metrics: dict, command: str, terms: dict,
@@ -78,7 +81,7 @@ def build_card(repo_id: str, base_model: str, scheme: str, fmt: str, metrics: di
 
 FP8 weights of [{base_model}](https://huggingface.co/{base_model}), made with fp8kit {__version__}.
 
-{SCHEME_TEXT[scheme]} Format: {FORMAT_TEXT[fmt]}. Embeddings, `lm_head`, norms and MoE routers stay in the source precision.{_kept_text(list(kept))}
+{SCHEME_TEXT[scheme]} Format: {FORMAT_TEXT[fmt]}. Embeddings, `lm_head`, norms and MoE routers stay in the source precision.{_kept_text(list(kept), fmt)}
 
 ## Validation
 

@@ -49,16 +49,24 @@ class PublishInterrupted(KeyboardInterrupt):
     naming the variant and the step, and what is left."""
 
 
-def check_format(fmt, schemes, where: str = "--format") -> None:
-    """The format holds every scheme asked for (the registry's SCHEME_FORMATS: fp8 has no per-channel layout)."""
-    from fp8kit.registry.catalog import SCHEME_FORMATS
+# What publish can validate in each format. The fp8 format has no per-channel layout, and its per-tensor layout
+# (vLLM's and SGLang's `weight_scale`) is read by transformers 5.x as blocks with `weight_scale_inv`: the scales are
+# skipped and validation would measure a broken model (KL ~0.1), so it is not published from here.
+PUBLISHABLE = {"compressed-tensors": SCHEMES, "fp8": ("block",)}
 
+
+def check_format(fmt, schemes, where: str = "--format") -> None:
+    """The format holds every scheme asked for, in a layout transformers reads for validation."""
     if fmt not in FORMATS:
         raise Fp8kitError(f"{where} {fmt!r}: expected {' or '.join(FORMATS)}")
-    bad = [s for s in schemes if fmt not in SCHEME_FORMATS.get(s, ())]
-    if bad:
-        raise Fp8kitError(f"{where} {fmt}: has no layout for {bad[0]} (per-channel scales); publish {bad[0]} in the "
-                          f"compressed-tensors format separately, or drop it")
+    bad = next((s for s in schemes if s not in PUBLISHABLE[fmt]), None)
+    if bad == "dynamic":
+        raise Fp8kitError(f"{where} {fmt}: has no per-channel layout; publish dynamic in the compressed-tensors "
+                          f"format separately, or drop it")
+    if bad == "tensor":
+        raise Fp8kitError(f"{where} {fmt}: its per-tensor scales are not read by transformers, so the variant cannot be "
+                          f"validated; publish tensor in the compressed-tensors format separately, or drop it "
+                          f"(`fp8-convert --format fp8 --scheme tensor` writes it for vLLM and SGLang)")
 
 
 def check_max_kl(value, where: str = "--max-kl") -> None:
