@@ -245,3 +245,80 @@ def test_conversations_that_cannot_be_rendered_are_refused_in_one_line(tiny_fp8)
     assert str(e.value) == ("prompt 0: the tokenizer's chat template failed on it (TemplateError: Conversation roles "
                             "must alternate user/assistant)"), e.value
     assert not calls
+
+
+class _NoRollout:
+    """A rollout engine that fails the test if train() gets as far as sampling."""
+
+    def sync_lora(self, model):
+        pass
+
+    def generate(self, *args, **kwargs):
+        raise AssertionError("train() sampled before refusing its input")
+
+
+@pytest.mark.parametrize("func,needle", [
+    (lambda prompts, completions: [0.0] * len(completions), "unexpected keyword argument 'completion_ids'"),
+    (lambda completions: [0.0] * len(completions), "unexpected keyword argument 'prompts'"),
+    (lambda prompts, completions, answer, **_: [0.0] * len(completions), "missing a required argument: 'answer'"),
+], ids=["no-kwargs", "completions-only", "column-not-in-rows"])
+def test_a_reward_function_that_cannot_take_its_arguments_is_one_line_before_the_first_rollout(tiny_fp8, func,
+                                                                                                needle):
+    """`def f(prompts, completions)` failed with a TypeError after the whole first rollout."""
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
+    with pytest.raises(Fp8kitError) as e:
+        train(model, tok, ["the quick"], [func], config, rollout=_NoRollout())
+    assert needle in str(e.value) and "**kwargs" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    train(model, tok, [{"prompt": "the quick", "answer": "fox"}], [lambda prompts, completions, answer, **_:
+                                                                     [float(a == "fox") for a in answer]], config)
+
+
+def test_config_fields_set_after_it_was_built_are_checked_when_training(tiny_fp8):
+    """num_generations = 1 on a built config trained with zero advantages (grad_norm 0) and said nothing."""
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
+    config.num_generations = 1
+    with pytest.raises(Fp8kitError, match=r"num_generations=1: expected an integer >= 2"):
+        train(model, tok, ["the quick"], [_zero], config, rollout=_NoRollout())
+    config.num_generations, config.save_steps = 2, 1
+    with pytest.raises(Fp8kitError, match="save_steps needs output_dir"):
+        train(model, tok, ["the quick"], [_zero], config, rollout=_NoRollout())
+
+
+def test_a_dataframe_of_prompts_is_refused_and_errors_stay_on_one_line(tiny_fp8):
+    """Iterating a DataFrame gives its column names: it trained on the prompt 'prompt'."""
+    pd = pytest.importorskip("pandas")
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
+    frame = pd.DataFrame({"prompt": ["the quick", "a lazy"], "answer": ["fox", "dog"]})
+    with pytest.raises(Fp8kitError) as e:
+        train(model, tok, frame, [_zero], config, rollout=_NoRollout())
+    assert "to_dict('records')" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(Fp8kitError) as e:
+        train(model, tok, {"train": ["the quick"], "test": ["a lazy"]}, [_zero], config, rollout=_NoRollout())
+    assert "\n" not in str(e.value)
+
+
+def test_gradient_checkpointing_follows_the_config_and_is_restored(tiny_fp8):
+    """gradient_checkpointing=False after a run with the default kept checkpointing on, and it stayed on after
+    train() returned."""
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    seen = []
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
+    train(model, tok, ["the quick"], [_zero], config, on_step=lambda _: seen.append(model.is_gradient_checkpointing))
+    assert seen == [True] and not model.is_gradient_checkpointing
+    model.gradient_checkpointing_enable()
+    config.gradient_checkpointing = False
+    train(model, tok, ["the quick"], [_zero], config, on_step=lambda _: seen.append(model.is_gradient_checkpointing))
+    assert seen == [True, False] and model.is_gradient_checkpointing
+
+
+def test_the_last_step_is_checkpointed_when_steps_is_not_a_multiple_of_save_steps(tiny_fp8, tmp_path):
+    """steps=3, save_steps=2 left checkpoint-2 as the newest: step 3's update was never saved."""
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    config = GRPOConfig(steps=3, prompts_per_step=1, num_generations=2, max_completion_length=2,
+                        output_dir=str(tmp_path / "run"), save_steps=2)
+    train(model, tok, ["the quick"], [_zero], config)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-2", "checkpoint-3"]
+    assert json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())["step"] == 3

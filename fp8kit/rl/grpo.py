@@ -9,13 +9,14 @@ from a checkpoint replays the following steps exactly.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import numbers
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -211,8 +212,8 @@ def completion_logprobs(model: nn.Module, batch: dict, rows: slice, temperature:
 def _config(config) -> GRPOConfig:
     if config is None:
         return GRPOConfig()
-    if isinstance(config, GRPOConfig):
-        return config
+    if isinstance(config, GRPOConfig):  # checked again: fields set after it was built (num_generations = 1) skip it
+        return replace(config)
     if isinstance(config, dict):
         unknown = sorted(str(k) for k in config if k not in GRPOConfig.__dataclass_fields__)
         if unknown:
@@ -412,11 +413,14 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
         reward_funcs = [reward_funcs]
     if (isinstance(reward_funcs, (str, bytes, dict)) or not hasattr(reward_funcs, "__len__") or not reward_funcs
             or not all(callable(f) for f in reward_funcs)):
-        raise Fp8kitError(f"reward_funcs={reward_funcs!r:.80}: expected a non-empty list of functions (prompts, "
-                          f"completions, ...) -> one float per completion")
+        raise Fp8kitError(f"reward_funcs={_one_line(reward_funcs, 80)}: expected a non-empty list of functions "
+                          f"(prompts, completions, ...) -> one float per completion")
     if isinstance(prompts, (str, bytes, dict)):  # a string would be iterated as one-character prompts
-        raise Fp8kitError(f"prompts={prompts!r:.60}: expected a list of strings, conversations or dicts with a "
-                          f"'prompt'; wrap a single prompt in a list")
+        raise Fp8kitError(f"prompts={_one_line(prompts, 60)}: expected a list of strings, conversations or dicts with "
+                          f"a 'prompt'; wrap a single prompt in a list")
+    if hasattr(prompts, "columns") and hasattr(prompts, "to_dict"):  # iterating a DataFrame gives its column names
+        raise Fp8kitError(f"prompts: a {type(prompts).__name__} iterates over its column names; pass "
+                          f"prompts.to_dict('records') (or a datasets.Dataset)")
     if config.reward_weights is not None and len(config.reward_weights) != len(reward_funcs):
         raise Fp8kitError(f"reward_weights has {len(config.reward_weights)} values for {len(reward_funcs)} reward functions")
     if is_conversation(prompts) and not any("prompt" in m for m in prompts):
@@ -437,6 +441,7 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     if taken:  # the reward functions' own arguments
         raise Fp8kitError(f"prompts: a row has a {taken[0]!r} column, the name of an argument every reward function "
                           f"gets; rename the column")
+    _check_reward_signatures(reward_funcs, sorted({k for r in rows for k in r} - {"prompt"}))
     lengths = []
     for i, r in enumerate(rows):  # one at a time, as each step does
         try:
@@ -472,9 +477,8 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     # the engine samples step 1 from the adapter the trainer scores with: vLLM got its copy when the model was built
     # (B zero), and an adapter loaded or set since (a warm start from SFT, load_adapter) reaches it only here
     rollout.sync_lora(model)
-    if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    device = params[0].device
+    checkpointing = getattr(model, "is_gradient_checkpointing", False)  # restored afterwards, as dropout is
+    _set_gradient_checkpointing(model, config.gradient_checkpointing)
     dropouts = _dropouts(model) if config.disable_dropout else []
     for m, attr, _ in dropouts:
         setattr(m, attr, 0.0)
@@ -484,6 +488,40 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     finally:
         for m, attr, p in dropouts:
             setattr(m, attr, p)
+        _set_gradient_checkpointing(model, checkpointing)
+
+
+def _set_gradient_checkpointing(model: nn.Module, on: bool) -> None:
+    if on == getattr(model, "is_gradient_checkpointing", False) or not hasattr(model, "gradient_checkpointing_enable"):
+        return
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def _one_line(value, width: int) -> str:
+    """repr(value) on one line, cut to `width` characters: an error message stays one line."""
+    return " ".join(repr(value).split())[:width]
+
+
+def _check_reward_signatures(reward_funcs, columns: list[str]) -> None:
+    """Each reward function takes the keyword arguments every step calls it with: a `def f(prompts, completions)`
+    failed with a TypeError only after the first rollout. Functions whose signature Python cannot tell are called
+    as they are."""
+    names = ["prompts", "completions", "completion_ids", *columns]
+    for i, func in enumerate(reward_funcs):
+        try:
+            signature = inspect.signature(func)
+        except (TypeError, ValueError):
+            continue
+        try:
+            signature.bind(**dict.fromkeys(names))
+        except TypeError as e:
+            name = getattr(func, "__name__", f"number {i}")
+            raise Fp8kitError(f"reward function {name} cannot be called as f({', '.join(n + '=' for n in names)}) "
+                              f"({e}); define it as def {name if name.isidentifier() else 'reward'}(prompts, "
+                              f"completions, **kwargs)") from None
 
 
 def _dropouts(model: nn.Module) -> list[tuple[nn.Module, str, float]]:
@@ -608,7 +646,7 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
         history.append(metrics)
         if on_step is not None:
             on_step(metrics)
-        if config.save_steps and step % config.save_steps == 0:
+        if config.save_steps and (step % config.save_steps == 0 or step == config.steps):  # the last step too
             save_checkpoint(Path(config.output_dir) / f"checkpoint-{step}", model, optimizer, masters, step, config,
                             scaler)
     return history
