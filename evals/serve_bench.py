@@ -211,6 +211,43 @@ def workload_summaries(results: dict, model: str) -> dict[str, dict]:
     return summaries
 
 
+SCHEMES = ("bf16", "dynamic", "block", "tensor")  # the rows of `results`
+OURS = ("dynamic", "block", "tensor", "tensor-static")  # checkpoints fp8-convert writes
+
+
+def scheme_rows(summary: dict) -> dict:
+    """`results`: one row per scheme, the summary's row plus `variant`, the run it is: the scheme served with
+    vLLM's defaults where the file has that run, else the fastest run of that scheme's checkpoint with engine
+    options (+deepgemm, +custom_ops=..., +kv-fp8) or checkpoint options (+lm-head, +kv-scales). Repeats from
+    later calls (`@callN`) stay in the summary only."""
+    rows = {}
+    for scheme in SCHEMES:
+        runs = {name: run for name, run in summary.items() if "@" not in name and name.split("+")[0] == scheme}
+        if runs:
+            name = scheme if scheme in runs else max(runs, key=lambda n: runs[n]["vs_bf16"])
+            rows[scheme] = {**runs[name], "variant": name}
+    return rows
+
+
+def best_run(summary: dict) -> dict | None:
+    """The fastest run of one of our checkpoints against BF16, whatever its options."""
+    ours = {name: run for name, run in summary.items() if "@" not in name and name.split("+")[0] in OURS}
+    if not ours:
+        return None
+    name = max(ours, key=lambda n: ours[n]["vs_bf16"])
+    return {"variant": name, "tok_s": ours[name]["tok_s"], "vs_bf16": ours[name]["vs_bf16"]}
+
+
+def summarize(report: dict) -> None:
+    """Per-workload summaries of every model's runs; `results` and `best` from the headline model's short one."""
+    for model in report.get("models", {}):
+        for key, summary in workload_summaries(report["runs"], model).items():
+            report.setdefault("results_by_workload", {})[key] = summary
+            if key == f"{model}/short" and model == report["model"]["name"]:
+                report["results"] = scheme_rows(summary)
+                report["best"] = best_run(summary)
+
+
 def build(workdir: Path, model: str) -> Path:
     import torch
 
@@ -255,6 +292,8 @@ def main():
     ap.add_argument("--timeout", type=int, default=560, help="seconds one engine may take")
     ap.add_argument("--custom-ops", help="vLLM compilation custom_ops, e.g. +quant_fp8")
     ap.add_argument("--repeats", type=int, default=1, help="timed passes per engine; tok_s is their median")
+    ap.add_argument("--summarize", action="store_true",
+                    help="only rewrite --out's summaries (results, best, results_by_workload) from its runs")
     ap.add_argument("--prepare", action="store_true",
                     help="only make the model and convert the variants into --workdir (split a long run over calls)")
     args = ap.parse_args()
@@ -265,6 +304,12 @@ def main():
                                                    args.kv_cache_dtype)) + "@@RESULT@@")
         return
 
+    if args.summarize:
+        report = json.loads(Path(args.out).read_text())
+        summarize(report)
+        write_json(Path(args.out), report)
+        print(json.dumps({"results": report.get("results"), "best": report.get("best")}, indent=1))
+        return
     variants = {v: parse_variant(v) for v in args.variants.split(",")}  # before an 8B model is built
     import torch
     import vllm
@@ -318,10 +363,7 @@ def main():
                             "call": call}
             print(key, results[key], flush=True)
             write_json(out, report)
-    for key, summary in workload_summaries(results, args.model).items():
-        report.setdefault("results_by_workload", {})[key] = summary
-        if key == f"{args.model}/short" and args.model == report["model"]["name"]:
-            report["results"] = summary
+    summarize(report)
     write_json(out, report)
 
 

@@ -1,5 +1,7 @@
 """serve_bench: variant names are checked before an 8B model is built on the GPU; every timed pass gets new prompts."""
 
+import json
+
 import pytest
 
 from evals.serve_bench import engine_log_facts, parse_variant
@@ -115,3 +117,40 @@ def test_engine_log_facts():
     assert facts["kv_scale_log"] == ["Using KV cache scaling factor 1.0 for fp8_e4m3. If this is unintended, verify "
                                      "that k/v_scale scaling factors are properly set in the checkpoint."]
     assert engine_log_facts("") == {"weight_gib": None, "kernels": [], "kv_cache_tokens": None, "kv_scale_log": []}
+
+
+def test_results_have_one_row_per_scheme_naming_the_run_and_the_best_of_ours(tmp_path):
+    """`results` is read by scheme (bf16, dynamic, block, tensor): the scheme with vLLM's defaults where measured,
+    else its fastest run with options, named by `variant`; `best` is our fastest checkpoint, vLLM's own FP8 aside.
+    --summarize rewrites them from a file's runs without a GPU."""
+    import subprocess
+    import sys
+
+    from evals.serve_bench import NEW_PROMPTS as new
+    from evals.serve_bench import ROOT
+
+    runs = {
+        "qwen3-8b/short/bf16": {"tok_s": 16000.0, "prompts": new, "call": 0},
+        "qwen3-8b/short/dynamic": {"tok_s": 19000.0, "prompts": new, "call": 0},
+        "qwen3-8b/short/dynamic+kv-fp8": {"tok_s": 20000.0, "prompts": new, "call": 0},
+        "qwen3-8b/short/block+deepgemm": {"tok_s": 18000.0, "prompts": new, "call": 0},
+        "qwen3-8b/short/block": {"error": "engine did not finish within 560 s", "call": 0},
+        "qwen3-8b/short/tensor+lm-head": {"tok_s": 19200.0, "prompts": new, "call": 0},
+        "qwen3-8b/short/tensor+custom_ops=+quant_fp8": {"tok_s": 18400.0, "prompts": new, "call": 0},
+        "qwen3-8b/short/tensor-static": {"tok_s": 18800.0, "prompts": new, "call": 0},
+        "qwen3-8b/short/vllm-online-fp8": {"tok_s": 21000.0, "prompts": new, "call": 0},
+        "qwen3-8b/short/dynamic@call1": {"tok_s": 25000.0, "prompts": new, "call": 1},
+    }
+    out = tmp_path / "serve.json"
+    out.write_text(json.dumps({"model": {"name": "qwen3-8b"}, "models": {"qwen3-8b": {}}, "runs": runs,
+                               "results": {"stale": {"tok_s": 1.0}}}))
+    proc = subprocess.run([sys.executable, str(ROOT / "evals" / "serve_bench.py"), "--summarize", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert {k: v["variant"] for k, v in results.items()} == {
+        "bf16": "bf16", "dynamic": "dynamic", "block": "block+deepgemm", "tensor": "tensor+lm-head"}
+    assert results["dynamic"]["vs_bf16"] == pytest.approx(19000 / 16000)
+    assert report["best"] == {"variant": "dynamic+kv-fp8", "tok_s": 20000.0, "vs_bf16": pytest.approx(1.25)}
+    assert report["runs"] == runs and "qwen3-8b/short" in report["results_by_workload"]
