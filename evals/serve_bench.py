@@ -181,9 +181,11 @@ def is_bf16_run(variant: str) -> bool:
 
 def run_key(results: dict, key: str, call: int) -> str:
     """Where a run goes in `results`: a repeat of a run another call measured (or a run stored before calls were
-    recorded) gets "@callN", keeping the earlier run, which the ratios of its own call used."""
+    recorded) gets "@callN", keeping the earlier run, which the ratios of its own call used; a failed one is
+    replaced."""
     earlier = results.get(key)
-    return f"{key}@call{call}" if earlier is not None and earlier.get("call") != call else key
+    # an earlier run that failed (no tok_s) is replaced: its retry is the only measurement of the variant
+    return f"{key}@call{call}" if earlier and "tok_s" in earlier and earlier.get("call") != call else key
 
 
 def workload_summaries(results: dict, model: str) -> dict[str, dict]:
@@ -222,7 +224,8 @@ def scheme_rows(summary: dict) -> dict:
     later calls (`@callN`) stay in the summary only."""
     rows = {}
     for scheme in SCHEMES:
-        runs = {name: run for name, run in summary.items() if "@" not in name and name.split("+")[0] == scheme}
+        runs = {name: run for name, run in summary.items() if "@" not in name and name.split("+")[0] == scheme
+                and (scheme != "bf16" or is_bf16_run(name))}  # bf16+kv-fp8 is no BF16 row
         if runs:
             name = scheme if scheme in runs else max(runs, key=lambda n: runs[n]["vs_bf16"])
             rows[scheme] = {**runs[name], "variant": name}
@@ -239,11 +242,14 @@ def best_run(summary: dict) -> dict | None:
 
 
 def summarize(report: dict) -> None:
-    """Per-workload summaries of every model's runs; `results` and `best` from the headline model's short one."""
-    for model in report.get("models", {}):
+    """Per-workload summaries of every model's runs; `results` and `best` from the headline model's short one (the
+    only model, in files from before `model` was recorded)."""
+    models = sorted({key.split("/")[0] for key in report.get("runs", {})})
+    headline = report.get("model", {}).get("name") or (models[0] if len(models) == 1 else None)
+    for model in models:
         for key, summary in workload_summaries(report["runs"], model).items():
             report.setdefault("results_by_workload", {})[key] = summary
-            if key == f"{model}/short" and model == report["model"]["name"]:
+            if key == f"{model}/short" and model == headline:
                 report["results"] = scheme_rows(summary)
                 report["best"] = best_run(summary)
 
@@ -306,6 +312,8 @@ def main():
 
     if args.summarize:
         report = json.loads(Path(args.out).read_text())
+        if not report.get("runs"):
+            sys.exit(f"{args.out}: no runs to summarize (results of serve_bench.py hold them under 'runs')")
         summarize(report)
         write_json(Path(args.out), report)
         print(json.dumps({"results": report.get("results"), "best": report.get("best")}, indent=1))

@@ -1,6 +1,7 @@
 """Bad GRPO input refused in one Fp8kitError line before training starts (each was accepted, then failed or
 silently did nothing mid-run), and the toy script's refusals before it builds anything."""
 
+import functools
 import json
 import os
 import subprocess
@@ -270,8 +271,14 @@ def test_a_reward_function_that_cannot_take_its_arguments_is_one_line_before_the
     with pytest.raises(Fp8kitError) as e:
         train(model, tok, ["the quick"], [func], config, rollout=_NoRollout())
     assert needle in str(e.value) and "**kwargs" in str(e.value) and "\n" not in str(e.value), str(e.value)
-    train(model, tok, [{"prompt": "the quick", "answer": "fox"}], [lambda prompts, completions, answer, **_:
-                                                                     [float(a == "fox") for a in answer]], config)
+    score = lambda completion: float(len(completion) > 2)  # noqa: E731 - one completion at a time
+
+    @functools.wraps(score)  # the wrapper is what train() calls: its signature, not score's, counts
+    def per_completion(prompts, completions, **_):
+        return [score(c) for c in completions]
+
+    train(model, tok, [{"prompt": "the quick", "answer": "fox"}],
+          [lambda prompts, completions, answer, **_: [float(a == "fox") for a in answer], per_completion], config)
 
 
 def test_config_fields_set_after_it_was_built_are_checked_when_training(tiny_fp8):

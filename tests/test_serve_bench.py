@@ -96,6 +96,8 @@ def test_a_repeat_in_a_later_call_keeps_the_earlier_run():
     assert run_key(results, "qwen3-8b/short/bf16", 1) == "qwen3-8b/short/bf16"
     assert run_key(results, "qwen3-8b/short/old", 4) == "qwen3-8b/short/old@call4"  # stored before calls were recorded
     assert run_key(results, "qwen3-8b/short/tensor", 4) == "qwen3-8b/short/tensor"
+    failed = {"qwen3-8b/short/dynamic": {"error": "engine did not finish within 560 s", "call": 1}}
+    assert run_key(failed, "qwen3-8b/short/dynamic", 4) == "qwen3-8b/short/dynamic"  # its retry replaces it
 
 
 def test_engine_log_facts():
@@ -154,3 +156,13 @@ def test_results_have_one_row_per_scheme_naming_the_run_and_the_best_of_ours(tmp
     assert results["dynamic"]["vs_bf16"] == pytest.approx(19000 / 16000)
     assert report["best"] == {"variant": "dynamic+kv-fp8", "tok_s": 20000.0, "vs_bf16": pytest.approx(1.25)}
     assert report["runs"] == runs and "qwen3-8b/short" in report["results_by_workload"]
+
+
+def test_the_bf16_row_is_never_an_fp8_kv_cache_run():
+    from evals.serve_bench import NEW_PROMPTS as new
+    from evals.serve_bench import scheme_rows, workload_summaries
+
+    runs = {"qwen3-8b/short/bf16+custom_ops=+quant_fp8": {"tok_s": 16000.0, "prompts": new, "call": 0},
+            "qwen3-8b/short/bf16+kv-fp8": {"tok_s": 17000.0, "prompts": new, "call": 0}}
+    rows = scheme_rows(workload_summaries(runs, "qwen3-8b")["qwen3-8b/short"])
+    assert rows["bf16"]["variant"] == "bf16+custom_ops=+quant_fp8"

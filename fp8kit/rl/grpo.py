@@ -477,7 +477,7 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     # the engine samples step 1 from the adapter the trainer scores with: vLLM got its copy when the model was built
     # (B zero), and an adapter loaded or set since (a warm start from SFT, load_adapter) reaches it only here
     rollout.sync_lora(model)
-    checkpointing = getattr(model, "is_gradient_checkpointing", False)  # restored afterwards, as dropout is
+    checkpointing = getattr(model, "is_gradient_checkpointing", False)  # switched back afterwards, as dropout is
     _set_gradient_checkpointing(model, config.gradient_checkpointing)
     dropouts = _dropouts(model) if config.disable_dropout else []
     for m, attr, _ in dropouts:
@@ -488,15 +488,18 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     finally:
         for m, attr, p in dropouts:
             setattr(m, attr, p)
-        _set_gradient_checkpointing(model, checkpointing)
+        if checkpointing != config.gradient_checkpointing:
+            _set_gradient_checkpointing(model, checkpointing)
 
 
 def _set_gradient_checkpointing(model: nn.Module, on: bool) -> None:
-    if on == getattr(model, "is_gradient_checkpointing", False) or not hasattr(model, "gradient_checkpointing_enable"):
+    """On: always re-enabled non-reentrant, also over a user's own enabling (transformers 4.x's default is
+    reentrant, which gives no gradients through frozen embeddings without an input hook)."""
+    if not hasattr(model, "gradient_checkpointing_enable"):
         return
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
+    elif getattr(model, "is_gradient_checkpointing", False):
         model.gradient_checkpointing_disable()
 
 
@@ -512,7 +515,7 @@ def _check_reward_signatures(reward_funcs, columns: list[str]) -> None:
     names = ["prompts", "completions", "completion_ids", *columns]
     for i, func in enumerate(reward_funcs):
         try:
-            signature = inspect.signature(func)
+            signature = inspect.signature(func, follow_wrapped=False)  # a decorator's wrapper is what gets called
         except (TypeError, ValueError):
             continue
         try:
