@@ -670,10 +670,9 @@ def test_a_fresh_run_syncs_the_adapter_before_its_first_rollout(tiny_fp8):
     assert calls[0] == ("sync", pytest.approx(0.01)) and calls[1][0] == "generate", calls
 
 
-def test_vllm_rollouts_refuse_lm_head_lora_and_multimodal_models_before_starting(tiny_fp8, tmp_path, monkeypatch):
+def test_vllm_rollouts_refuse_lm_head_lora_before_starting(tiny_fp8, monkeypatch):
     """With vLLM rollouts (faked here: a CUDA device and vLLM installed), LoRA on lm_head (vLLM's lm_head LoRA has
-    no per-slice stacks: the first sync failed after a whole step) and a model with a vision tower (its fused
-    projections are not mapped) are one line before any engine starts."""
+    no per-slice stacks: the first sync failed after a whole step) is one line before any engine starts."""
     from fp8kit.rl import loader
     from fp8kit.rl import model as rl_model
 
@@ -682,8 +681,36 @@ def test_vllm_rollouts_refuse_lm_head_lora_and_multimodal_models_before_starting
     monkeypatch.setattr(rl_model, "_vllm_available", lambda: True)
     with pytest.raises(Fp8kitError, match="vLLM rollouts carry no LoRA on lm_head"):
         load_model(str(tiny_fp8), lora_rank=8, target_modules=["q_proj", "lm_head"])
-    src = build_checkpoint(tmp_path / "src", "gemma3_mm", torch.bfloat16, seed=1)
+
+
+@pytest.mark.parametrize("arch", ["gemma3_mm", "mistral3"])
+def test_multimodal_rollouts_run_vllm_language_only_and_the_trainer_reads_the_towers_once(tmp_path, tiny_fp8, arch):
+    """vLLM builds no tower for text rollouts (language_model_only); the trainer takes exactly the checkpoint's
+    tower and projector tensors from the files, and vLLM's module names (the checkpoint's
+    `language_model.model.layers.N`) reach the trainer's LoRA modules (`model.language_model.layers.N`)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from fp8kit.loaded_names import key_renamer
+    from fp8kit.rl.loader import load_fp8_model, lora_modules
+    from fp8kit.rl.vllm_engine import rollout_llm_kwargs, tower_tensors
+
+    src = build_checkpoint(tmp_path / "src", arch, torch.bfloat16, seed=1)
     out = convert(src, tmp_path / "fp8", scheme="dynamic").out
-    with pytest.raises(Fp8kitError, match="Gemma3ForConditionalGeneration has a vision or audio tower.*"
-                                          "fast_inference=False"):
-        load_model(out, lora_rank=8)
+    kwargs = rollout_llm_kwargs(out, torch.bfloat16, 256, 0.5, 8, None, {})
+    assert kwargs["language_model_only"] is True
+    assert "language_model_only" not in rollout_llm_kwargs(tiny_fp8, torch.bfloat16, 256, 0.5, 8, None, {})
+    towers = tower_tensors(out, AutoConfig.from_pretrained(out), torch.device("cpu"))
+    names = set()
+    for f in Path(out).glob("*.safetensors"):
+        with safe_open(f, "pt") as sf:
+            names |= set(sf.keys())
+    assert set(towers) == {k for k in names if "vision_tower" in k or "multi_modal_projector" in k} and towers
+    assert all(not k.startswith(("model.language_model.", "language_model.", "lm_head")) for k in towers)
+    assert tower_tensors(tiny_fp8, AutoConfig.from_pretrained(tiny_fp8), torch.device("cpu")) == {}
+    model = load_fp8_model(out, torch.float32, lora_rank=8)
+    rename, ours = key_renamer(model), lora_modules(model)
+    vllm_subs = [f"language_model.model.layers.{i}.{part}" for i in range(2) for part in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")]
+    assert sorted(rename(n) for n in vllm_subs) == sorted(ours)

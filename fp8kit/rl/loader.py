@@ -80,7 +80,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         raise Fp8kitError(f"checkpoint tensor {name!r} has no place in the model")
 
 
-def _checkpoint_tensors(path: Path, device: torch.device) -> dict[str, Callable[[], torch.Tensor]]:
+def checkpoint_tensors(path: Path, device: torch.device) -> dict[str, Callable[[], torch.Tensor]]:
     """Every tensor of the checkpoint's safetensors files, read only when asked for (straight to `device`)."""
     from safetensors import SafetensorError, safe_open
 
@@ -423,7 +423,7 @@ def _check_dtype(dtype: torch.dtype) -> None:
 
 def _load(path, config, scheme, dtype, lora_rank, lora_alpha, target_modules, lora_dropout, device, backend, seed):
     device = check_device(device)
-    model = assemble(config, _checkpoint_tensors(path, device), scheme, dtype, lora_rank, lora_alpha,
+    model = assemble(config, checkpoint_tensors(path, device), scheme, dtype, lora_rank, lora_alpha,
                      lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout), lora_dropout, backend,
                      str(path), seed=seed, device=device)
     if (path / "generation_config.json").exists():  # its stop tokens, as vLLM reads them (from_config skips it)
@@ -443,7 +443,7 @@ def checkpoint_mismatches(model: nn.Module, path: str | Path) -> list[str]:
     from fp8kit.loaded_names import key_renamer
 
     rename = key_renamer(model)  # the checkpoint's names as the model has them (assemble)
-    tensors = {rename(k): get for k, get in _checkpoint_tensors(Path(path), torch.device("cpu")).items()}
+    tensors = {rename(k): get for k, get in checkpoint_tensors(Path(path), torch.device("cpu")).items()}
     differing = []
     for name, mine in list(model.named_parameters()) + list(model.named_buffers()):
         module_name, _, leaf = name.rpartition(".")

@@ -69,12 +69,6 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
         _check_tokenizer_files(local)
     path = _checkpoint(str(name), load_in_fp8)
     config, scheme = read_config(path)
-    if with_vllm and config.get_text_config() is not config:
-        # shared_tensors splits vLLM's fused q/k/v by the text model's head counts, and vLLM's vision towers fuse
-        # theirs too: a model with a vision or audio tower has not been mapped (nor run on a GPU) yet
-        raise Fp8kitError(f"{path}: {(getattr(config, 'architectures', None) or [config.model_type])[0]} has a vision or "
-                          f"audio tower; vLLM rollouts sharing the trainer's weights take text-only models so far: pass "
-                          f"fast_inference=False (rollouts with transformers' generate on the same model)")
     if with_vllm and static_activation_scales(path):
         raise Fp8kitError(f"{path}: static activation scales (tensor-static): vLLM's rollouts would quantize with "
                           f"them while the trainer quantizes per token, so their log-probabilities would disagree; "

@@ -148,7 +148,8 @@ def rollout_llm_kwargs(path: str | Path, dtype: torch.dtype, max_seq_length: int
 
     check_rollout_arguments(dtype, lora_rank)
     config_file = Path(path) / "config.json"
-    qc = (json.loads(config_file.read_text()).get("quantization_config") or {}) if config_file.exists() else {}
+    raw = json.loads(config_file.read_text()) if config_file.exists() else {}
+    qc = raw.get("quantization_config") or {}
     if any("lm_head" in g.get("targets", ()) for g in qc.get("config_groups", {}).values()):
         raise Fp8kitError(f"{path}: lm_head is FP8 (converted with --lm-head); the trainer shares vLLM's lm_head "
                           f"in source precision only: convert without --lm-head for GRPO")
@@ -156,9 +157,31 @@ def rollout_llm_kwargs(path: str | Path, dtype: torch.dtype, max_seq_length: int
     if lora_rank:  # only the projections: left unrestricted, vLLM would also wrap embed_tokens and lm_head
         lora = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=1,
                     lora_target_modules=list(target_modules or DEFAULT_TARGETS))
+    # GRPO rollouts are text: vLLM then builds no vision or audio tower (interfaces.py _mark_tower_model skips
+    # them when every modality's limit is 0, which language_model_only sets), and the trainer reads the towers from
+    # the checkpoint (training_model): each weight is still on the GPU once
+    towers = dict(language_model_only=True) if has_tower(raw) else {}
     return dict(dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], max_model_len=max_seq_length,
                 gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
-                logprobs_mode="processed_logprobs", seed=0, **lora, **rollout_engine_kwargs(qc, engine_kwargs))
+                logprobs_mode="processed_logprobs", seed=0, **lora, **towers,
+                **rollout_engine_kwargs(qc, engine_kwargs))
+
+
+def tower_tensors(path: Path, config, device: torch.device) -> dict:
+    """The checkpoint's vision and audio towers and projectors (name -> getter to `device`), which vLLM does not
+    build for text rollouts (language_model_only): the trainer reads them once, so each weight is on the GPU once.
+    Empty for a text-only model."""
+    from fp8kit.converter.select import NOT_LANGUAGE
+    from fp8kit.rl.loader import checkpoint_tensors
+
+    if config.get_text_config() is config:
+        return {}
+    return {k: get for k, get in checkpoint_tensors(Path(path), device).items() if NOT_LANGUAGE.search(k)}
+
+
+def has_tower(config: dict) -> bool:
+    """A multimodal checkpoint: a language model beside a vision or audio tower (config.json with a text_config)."""
+    return isinstance(config.get("text_config"), dict)
 
 
 def rollout_sampling_params(prompts: int, n: int, max_tokens: int, temperature: float, top_p: float, seed: int) -> list:
@@ -193,6 +216,7 @@ class VLLMRollout:
         self.runner = worker.model_runner
         self.vllm_model = worker.get_model()
         self.lora_request = None
+        self._trainer_name = lambda name: name
         self._slot = None
         self._covered = False
         self.asleep = False
@@ -204,18 +228,24 @@ class VLLMRollout:
         the loaders') and registered with vLLM."""
         from transformers import AutoConfig
 
+        from fp8kit.loaded_names import key_renamer
         from fp8kit.rl.loader import DEFAULT_SEED, assemble
 
         config = AutoConfig.from_pretrained(self.path)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         targets = set(target_modules or self.target_modules)
+        tensors = shared_tensors(self.vllm_model, config, scheme)
+        towers = tower_tensors(self.path, config, torch.device("cuda"))
         before = torch.cuda.memory_allocated()
-        model = assemble(config, shared_tensors(self.vllm_model, config, scheme), scheme, dtype, lora_rank, lora_alpha,
-                         targets, 0.0, backend, f"vLLM engine for {self.path}",
-                         seed=DEFAULT_SEED if seed is None else seed)
+        model = assemble(config, {**towers, **tensors}, scheme, dtype, lora_rank, lora_alpha, targets, 0.0, backend,
+                         f"vLLM engine for {self.path}", seed=DEFAULT_SEED if seed is None else seed)
         model.to("cuda")  # moves only what is not vLLM's already: the rotary tables built on the CPU
-        self.trainer_allocated_bytes = torch.cuda.memory_allocated() - before  # LoRA and rotary tables only
+        # LoRA, rotary tables and the towers vLLM did not build
+        self.trainer_allocated_bytes = torch.cuda.memory_allocated() - before
+        # vLLM names modules as the checkpoint did (Gemma 3's `language_model.model.layers.N`), the trainer as
+        # transformers loads them (`model.language_model.layers.N`)
+        self._trainer_name = key_renamer(model)
         if lora_rank:
             self._register_adapter(model)
         return model
@@ -256,6 +286,7 @@ class VLLMRollout:
         for name, module in self._manager.modules.items():
             subs = self._manager.packed_modules.get(name, [name])
             for i, sub in enumerate(subs):
+                sub = self._trainer_name(sub)
                 m = ours.get(sub)
                 written.add(sub)
                 a, b = module.lora_a_stacked[i][slot, 0], module.lora_b_stacked[i][slot, 0]
