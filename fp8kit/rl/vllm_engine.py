@@ -11,6 +11,9 @@ layouts this relies on (vLLM 0.25, read from its source):
   (w8a8_utils.requantize_with_max_scale), so the trainer uses exactly the bytes vLLM serves;
 - embeddings are padded to a multiple of 64 rows (vocab_parallel_embedding.py): the trainer sees the first
   vocab_size rows.
+- a multimodal model (Gemma 3 it) is served as its language model alone (`language_model_only`: vLLM builds
+  no tower, interfaces.py _mark_tower_model) under the checkpoint's names (`language_model.model.layers.N`),
+  which the trainer renames as transformers does; its towers are read from the checkpoint.
 Parameters are replaced during vLLM's post-load processing, so views are taken after `LLM(...)` returns.
 
 LoRA reaches vLLM every step by writing the adapter in place into vLLM's stacked LoRA buffers (B scaled by
