@@ -670,9 +670,12 @@ def test_a_fresh_run_syncs_the_adapter_before_its_first_rollout(tiny_fp8):
     assert calls[0] == ("sync", pytest.approx(0.01)) and calls[1][0] == "generate", calls
 
 
-def test_vllm_rollouts_refuse_lm_head_lora_before_starting(tiny_fp8, monkeypatch):
+def test_vllm_rollouts_refuse_lm_head_lora_and_unchecked_multimodal_models_before_starting(tiny_fp8, tmp_path,
+                                                                                           monkeypatch):
     """With vLLM rollouts (faked here: a CUDA device and vLLM installed), LoRA on lm_head (vLLM's lm_head LoRA has
-    no per-slice stacks: the first sync failed after a whole step) is one line before any engine starts."""
+    no per-slice stacks: the first sync failed after a whole step) and a multimodal model other than Gemma 3 (vLLM's
+    names for Qwen2.5-VL's language model do not rename to the trainer's; Mistral 3 does not import in vLLM 0.25)
+    are one line before any engine starts."""
     from fp8kit.rl import loader
     from fp8kit.rl import model as rl_model
 
@@ -681,6 +684,12 @@ def test_vllm_rollouts_refuse_lm_head_lora_before_starting(tiny_fp8, monkeypatch
     monkeypatch.setattr(rl_model, "_vllm_available", lambda: True)
     with pytest.raises(Fp8kitError, match="vLLM rollouts carry no LoRA on lm_head"):
         load_model(str(tiny_fp8), lora_rank=8, target_modules=["q_proj", "lm_head"])
+    src = build_checkpoint(tmp_path / "src", "mistral3", torch.bfloat16, seed=1)
+    out = convert(src, tmp_path / "fp8", scheme="dynamic").out
+    add_tokenizer(out, "the quick brown fox " * 20, vocab_size=300)
+    with pytest.raises(Fp8kitError, match="Mistral3ForConditionalGeneration has a vision or audio tower.*"
+                                          "Gemma3ForConditionalGeneration so far.*fast_inference=False"):
+        load_model(out, lora_rank=8)
 
 
 @pytest.mark.parametrize("arch", ["gemma3_mm", "mistral3"])

@@ -163,7 +163,7 @@ def rollout_llm_kwargs(path: str | Path, dtype: torch.dtype, max_seq_length: int
     # GRPO rollouts are text: vLLM then builds no vision or audio tower (interfaces.py _mark_tower_model skips
     # them when every modality's limit is 0, which language_model_only sets), and the trainer reads the towers from
     # the checkpoint (training_model): each weight is still on the GPU once
-    towers = dict(language_model_only=True) if has_tower(raw) else {}
+    towers = dict(language_model_only=True) if has_tower(path) else {}
     return dict(dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], max_model_len=max_seq_length,
                 gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
                 logprobs_mode="processed_logprobs", seed=0, **lora, **towers,
@@ -182,9 +182,20 @@ def tower_tensors(path: Path, config, device: torch.device) -> dict:
     return {k: get for k, get in checkpoint_tensors(Path(path), device).items() if NOT_LANGUAGE.search(k)}
 
 
-def has_tower(config: dict) -> bool:
-    """A multimodal checkpoint: a language model beside a vision or audio tower (config.json with a text_config)."""
-    return isinstance(config.get("text_config"), dict)
+def has_tower(path: str | Path) -> bool:
+    """A multimodal checkpoint: a language model beside a vision or audio tower, as transformers reads its config
+    (also one that keeps the text fields at the top level, as older Qwen2-VL uploads do)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return config.get_text_config() is not config
+
+
+# Multimodal architectures whose vLLM model names its language model as the checkpoint does
+# (`language_model.model.layers.N`, which transformers renames to the trainer's `model.language_model.layers.N`)
+# and that ran on a GPU (tests/test_gpu_grpo.py). Qwen2.5-VL's and Qwen3-VL's vLLM names have no transformers
+# renaming to the trainer's; vLLM 0.25's Mistral 3 does not import beside transformers 5.
+VLLM_MULTIMODAL = ("Gemma3ForConditionalGeneration",)
 
 
 def rollout_sampling_params(prompts: int, n: int, max_tokens: int, temperature: float, top_p: float, seed: int) -> list:
