@@ -217,6 +217,15 @@ SCHEMES = ("bf16", "dynamic", "block", "tensor")  # the rows of `results`
 OURS = ("dynamic", "block", "tensor", "tensor-static")  # checkpoints fp8-convert writes
 
 
+def _first_measured(summary: dict) -> dict:
+    """{variant: run} without the repeats later calls measured (`@callN`)."""
+    return {name: run for name, run in summary.items() if "@" not in name}
+
+
+def _scheme(variant: str) -> str:
+    return variant.split("+")[0]
+
+
 def scheme_rows(summary: dict) -> dict:
     """`results`: one row per scheme, the summary's row plus `variant`, the run it is: the scheme served with
     vLLM's defaults where the file has that run, else the fastest run of that scheme's checkpoint with engine
@@ -224,7 +233,7 @@ def scheme_rows(summary: dict) -> dict:
     later calls (`@callN`) stay in the summary only."""
     rows = {}
     for scheme in SCHEMES:
-        runs = {name: run for name, run in summary.items() if "@" not in name and name.split("+")[0] == scheme
+        runs = {name: run for name, run in _first_measured(summary).items() if _scheme(name) == scheme
                 and (scheme != "bf16" or is_bf16_run(name))}  # bf16+kv-fp8 is no BF16 row
         if runs:
             name = scheme if scheme in runs else max(runs, key=lambda n: runs[n]["vs_bf16"])
@@ -234,7 +243,7 @@ def scheme_rows(summary: dict) -> dict:
 
 def best_run(summary: dict) -> dict | None:
     """The fastest run of one of our checkpoints against BF16, whatever its options."""
-    ours = {name: run for name, run in summary.items() if "@" not in name and name.split("+")[0] in OURS}
+    ours = {name: run for name, run in _first_measured(summary).items() if _scheme(name) in OURS}
     if not ours:
         return None
     name = max(ours, key=lambda n: ours[n]["vs_bf16"])

@@ -311,7 +311,7 @@ def cache_rm(name, remove_all):
 @click.option("--scheme", "schemes", multiple=True, type=click.Choice(["dynamic", "block", "tensor"]),
               help="Repeat for several variants.")
 @click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "fp8"]), default="compressed-tensors",
-              show_default=True, help="fp8 is the DeepSeek-V3 / Qwen3-*-FP8 layout (block and tensor only).")
+              show_default=True, help="fp8 is the DeepSeek-V3 / Qwen3-*-FP8 layout (block only).")
 @click.option("--repo-template", default="{org}/{name}-FP8-{Scheme}", show_default=True)
 @click.option("--org", default=None, help="Where to publish (default: the token's user).")
 @click.option("--private", is_flag=True)

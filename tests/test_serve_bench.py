@@ -166,3 +166,18 @@ def test_the_bf16_row_is_never_an_fp8_kv_cache_run():
             "qwen3-8b/short/bf16+kv-fp8": {"tok_s": 17000.0, "prompts": new, "call": 0}}
     rows = scheme_rows(workload_summaries(runs, "qwen3-8b")["qwen3-8b/short"])
     assert rows["bf16"]["variant"] == "bf16+custom_ops=+quant_fp8"
+
+
+def test_summarize_of_a_file_without_runs_says_so(tmp_path):
+    import subprocess
+    import sys
+
+    from evals.serve_bench import ROOT
+
+    out = tmp_path / "serve.json"
+    out.write_text(json.dumps({"results": {"bf16": {"tok_s": 1.0}}}))
+    proc = subprocess.run([sys.executable, str(ROOT / "evals" / "serve_bench.py"), "--summarize", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip() == f"{out}: no runs to summarize (results of serve_bench.py " \
+        "hold them under 'runs')"
+    assert json.loads(out.read_text()) == {"results": {"bf16": {"tok_s": 1.0}}}

@@ -24,7 +24,6 @@ from fp8kit.errors import Fp8kitError
 
 PROVENANCE = "fp8kit.json"
 SCHEMES = ("dynamic", "block", "tensor")
-FORMATS = ("compressed-tensors", "fp8")
 
 
 @dataclass
@@ -53,6 +52,7 @@ class PublishInterrupted(KeyboardInterrupt):
 # (vLLM's and SGLang's `weight_scale`) is read by transformers 5.x as blocks with `weight_scale_inv`: the scales are
 # skipped and validation would measure a broken model (KL ~0.1), so it is not published from here.
 PUBLISHABLE = {"compressed-tensors": SCHEMES, "fp8": ("block",)}
+FORMATS = tuple(PUBLISHABLE)
 
 
 def check_format(fmt, schemes, where: str = "--format") -> None:

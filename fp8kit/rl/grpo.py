@@ -26,7 +26,7 @@ from torch import nn
 from fp8kit.errors import Fp8kitError
 from fp8kit.rl import logprobs
 from fp8kit.rl.grpo_loss import LOSS_TYPES, group_advantages, mismatch_kl, policy_loss, truncated_importance_weights
-from fp8kit.rl.loader import adapters_disabled, load_adapter, lora_modules, write_adapter
+from fp8kit.rl.loader import _one_line, adapters_disabled, load_adapter, lora_modules, write_adapter
 from fp8kit.rl.rollout import Completion, HFRollout
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -253,7 +253,7 @@ def prompt_token_ids(tokenizer, prompt) -> list[int]:
         text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - jinja2's TemplateError or whatever the template's code raised
         raise Fp8kitError(f"the tokenizer's chat template failed on it ({type(e).__name__}: "
-                          f"{' '.join(str(e).split())[:120]})") from e
+                          f"{_one_line(e)[:120]})") from e
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -273,7 +273,7 @@ def _reward_value(v) -> float:
         raise TypeError(f"an ndarray of shape {v.shape} and dtype {v.dtype}")
     if isinstance(v, (bool, numbers.Real)) or type(v).__module__ == "numpy" and type(v).__name__ in ("bool", "bool_"):
         return float(v)
-    raise TypeError(f"{type(v).__name__} {' '.join(repr(v).split())!s:.30}")
+    raise TypeError(f"{type(v).__name__} {_short_repr(v, 30)}")
 
 
 def _rewards(reward_funcs, weights, prompts, completions_text, completion_ids, extra) -> tuple[torch.Tensor, dict]:
@@ -287,7 +287,7 @@ def _rewards(reward_funcs, weights, prompts, completions_text, completion_ids, e
         if returned is None or isinstance(returned, (str, bytes, dict)) or not hasattr(returned, "__iter__") \
                 or isinstance(returned, torch.Tensor) and returned.dim() != 1:
             shown = (f"of shape {tuple(returned.shape)}" if isinstance(returned, torch.Tensor)
-                     else " ".join(repr(returned).split())[:40])  # one line, whatever the repr
+                     else _short_repr(returned, 40))  # one line, whatever the repr
             raise Fp8kitError(f"reward function {name} returned {type(returned).__name__} {shown}; expected a "
                               f"list of {total.numel()} numbers (None for no reward), one per completion")
         try:  # strings or nested lists: one line, not a torch traceback
@@ -413,10 +413,10 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
         reward_funcs = [reward_funcs]
     if (isinstance(reward_funcs, (str, bytes, dict)) or not hasattr(reward_funcs, "__len__") or not reward_funcs
             or not all(callable(f) for f in reward_funcs)):
-        raise Fp8kitError(f"reward_funcs={_one_line(reward_funcs, 80)}: expected a non-empty list of functions "
+        raise Fp8kitError(f"reward_funcs={_short_repr(reward_funcs, 80)}: expected a non-empty list of functions "
                           f"(prompts, completions, ...) -> one float per completion")
     if isinstance(prompts, (str, bytes, dict)):  # a string would be iterated as one-character prompts
-        raise Fp8kitError(f"prompts={_one_line(prompts, 60)}: expected a list of strings, conversations or dicts with "
+        raise Fp8kitError(f"prompts={_short_repr(prompts, 60)}: expected a list of strings, conversations or dicts with "
                           f"a 'prompt'; wrap a single prompt in a list")
     if hasattr(prompts, "columns") and hasattr(prompts, "to_dict"):  # iterating a DataFrame gives its column names
         raise Fp8kitError(f"prompts: a {type(prompts).__name__} iterates over its column names; pass "
@@ -503,7 +503,7 @@ def _set_gradient_checkpointing(model: nn.Module, on: bool) -> None:
         model.gradient_checkpointing_disable()
 
 
-def _one_line(value, width: int) -> str:
+def _short_repr(value, width: int) -> str:
     """repr(value) on one line, cut to `width` characters: an error message stays one line."""
     return " ".join(repr(value).split())[:width]
 

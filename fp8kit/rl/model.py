@@ -11,7 +11,7 @@ from fp8kit.errors import Fp8kitError
 from fp8kit.rl.loader import (DEFAULT_SEED, _one_line, check_device, check_seed, load_fp8_model, load_lora_model,
                                lora_targets, read_config, static_activation_scales)
 from fp8kit.rl.rollout import HFRollout
-from fp8kit.rl.vllm_engine import VLLM_MULTIMODAL, check_rollout_arguments
+from fp8kit.rl.vllm_engine import VLLM_MULTIMODAL, check_rollout_arguments, has_tower
 
 
 # what AutoTokenizer reads: a fast tokenizer's file, the config naming the class, or a slow tokenizer's vocabulary
@@ -70,7 +70,7 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
     path = _checkpoint(str(name), load_in_fp8)
     config, scheme = read_config(path)
     architecture = (getattr(config, "architectures", None) or [config.model_type])[0]
-    if with_vllm and config.get_text_config() is not config and architecture not in VLLM_MULTIMODAL:
+    if with_vllm and has_tower(config) and architecture not in VLLM_MULTIMODAL:
         raise Fp8kitError(f"{path}: {architecture} has a vision or audio tower; vLLM rollouts sharing the trainer's "
                           f"weights take text models and {', '.join(VLLM_MULTIMODAL)} so far: pass "
                           f"fast_inference=False (rollouts with transformers' generate on the same model)")

@@ -151,8 +151,7 @@ def rollout_llm_kwargs(path: str | Path, dtype: torch.dtype, max_seq_length: int
 
     check_rollout_arguments(dtype, lora_rank)
     config_file = Path(path) / "config.json"
-    raw = json.loads(config_file.read_text()) if config_file.exists() else {}
-    qc = raw.get("quantization_config") or {}
+    qc = (json.loads(config_file.read_text()).get("quantization_config") or {}) if config_file.exists() else {}
     if any("lm_head" in g.get("targets", ()) for g in qc.get("config_groups", {}).values()):
         raise Fp8kitError(f"{path}: lm_head is FP8 (converted with --lm-head); the trainer shares vLLM's lm_head "
                           f"in source precision only: convert without --lm-head for GRPO")
@@ -163,7 +162,9 @@ def rollout_llm_kwargs(path: str | Path, dtype: torch.dtype, max_seq_length: int
     # GRPO rollouts are text: vLLM then builds no vision or audio tower (interfaces.py _mark_tower_model skips
     # them when every modality's limit is 0, which language_model_only sets), and the trainer reads the towers from
     # the checkpoint (training_model): each weight is still on the GPU once
-    towers = dict(language_model_only=True) if has_tower(path) else {}
+    from transformers import AutoConfig
+
+    towers = dict(language_model_only=True) if has_tower(AutoConfig.from_pretrained(path)) else {}
     return dict(dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype], max_model_len=max_seq_length,
                 gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
                 logprobs_mode="processed_logprobs", seed=0, **lora, **towers,
@@ -177,17 +178,14 @@ def tower_tensors(path: Path, config, device: torch.device) -> dict:
     from fp8kit.converter.select import NOT_LANGUAGE
     from fp8kit.rl.loader import checkpoint_tensors
 
-    if config.get_text_config() is config:
+    if not has_tower(config):
         return {}
     return {k: get for k, get in checkpoint_tensors(Path(path), device).items() if NOT_LANGUAGE.search(k)}
 
 
-def has_tower(path: str | Path) -> bool:
-    """A multimodal checkpoint: a language model beside a vision or audio tower, as transformers reads its config
-    (also one that keeps the text fields at the top level, as older Qwen2-VL uploads do)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
+def has_tower(config) -> bool:
+    """A multimodal model: a language model beside a vision or audio tower, as transformers reads its config (also
+    one that keeps the text fields at the top level, as older Qwen2-VL uploads do)."""
     return config.get_text_config() is not config
 
 
