@@ -86,6 +86,51 @@ def test_interrupted_publish_is_one_line_exit_130_and_leaves_nothing_partial(tmp
     assert not (tmp_path / "staging").exists() or list((tmp_path / "staging").iterdir()) == []
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_as_the_partial_folder_is_made_leaves_nothing(tmp_path, monkeypatch, sig):
+    """The instant the tests above aim at, hit every time: the signal lands as mkdir returns, before anything
+    else runs (tempfile.mkdtemp would not have returned the folder's name yet)."""
+    from fp8kit.converter.output import atomic_directory
+
+    mkdir = Path.mkdir
+
+    def mkdir_then_signal(self, *args, **kwargs):
+        mkdir(self, *args, **kwargs)
+        if ".partial-" in self.name:
+            signal.raise_signal(sig)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_signal)
+    out = tmp_path / "new" / "out"
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_directory(out, overwrite=False):
+            raise AssertionError("the interrupt comes first")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_between_the_renames_of_overwrite_leaves_the_new_output_whole(tmp_path, monkeypatch, sig):
+    """--overwrite moves the old OUT aside, then the new one into place: a signal in between waits for the second
+    rename, so OUT is never missing; the interrupt still goes up, and the old folder is removed."""
+    from fp8kit.converter.output import atomic_directory
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    rename = Path.rename
+
+    def rename_then_signal(self, target):
+        moved = rename(self, target)
+        if ".old-" in Path(target).name:
+            signal.raise_signal(sig)
+        return moved
+
+    monkeypatch.setattr(Path, "rename", rename_then_signal)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_directory(out, overwrite=True) as partial:
+            (partial / "new.txt").write_text("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in out.iterdir()] == ["new.txt"]
+
+
 def test_stale_partial_folder_is_removed_by_the_next_conversion_and_by_cache_rm(tmp_path, llama_dir, monkeypatch):
     """A hard kill (SIGKILL, power loss) skips all cleanup: the next conversion of that entry removes what it
     left, `cache list` shows it, and `cache rm` removes it."""

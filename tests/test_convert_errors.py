@@ -370,17 +370,15 @@ def test_output_directory_that_cannot_be_made(tmp_path):
 
 def test_unwritable_out_parent(llama_dir, tmp_path, monkeypatch):
     """OUT's folder cannot be written into: one line naming OUT, and the folders made for OUT removed again."""
-    import tempfile
-
     out = tmp_path / "made" / "for" / "out"
-    mkdtemp = tempfile.mkdtemp
+    mkdir = Path.mkdir
 
-    def refuse(*args, dir=None, **kwargs):
-        if dir is not None and os.fspath(dir) == os.fspath(out.parent):
-            raise PermissionError(13, "Permission denied", os.path.join(dir, ".out.partial-x"))
-        return mkdtemp(*args, dir=dir, **kwargs)
+    def refuse(self, *args, **kwargs):  # root may write anywhere: the refusal is simulated
+        if self.parent == out.parent and ".partial-" in self.name:
+            raise PermissionError(13, "Permission denied", str(self))
+        return mkdir(self, *args, **kwargs)
 
-    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(Path, "mkdir", refuse)
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic"), out, f"{out}: cannot create the output "
                          "directory (Permission denied)", f"make {tmp_path} writable")
     assert not (tmp_path / "made").exists()

@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import signal
-import tempfile
 import threading
 from pathlib import Path
 
@@ -76,30 +76,35 @@ def atomic_directory(out: Path, overwrite: bool):
 @contextlib.contextmanager
 def _atomic_directory(out: Path, overwrite: bool):
     made = [p for p in reversed(out.parents) if not p.exists()]  # outermost first
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-        partial.chmod(_mkdir_mode())  # mkdtemp's 0700 would lock other users (a vLLM server, a shared cache) out
-    except OSError as e:
-        _remove_empty(made)
-        nearest = next((p for p in out.parents if p.exists()), None)  # the folder OUT would be made in
-        if nearest is not None and not nearest.is_dir():
-            raise Fp8kitError(f"{out}: cannot create the output directory ({nearest} is not a directory); "
-                              f"choose another OUT") from e
-        raise Fp8kitError(f"{out}: cannot create the output directory ({e.strerror or e}); choose another OUT or "
-                          f"make {nearest or out.parent} writable") from e
+    # The folder is named before it is made and made inside the try: a Ctrl-C or SIGTERM landing right after the
+    # mkdir (tempfile.mkdtemp returns the name only afterwards) still finds it in the finally below.
+    partial = old = None
     ok = False
     try:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            made_partial = False
+            while not made_partial:
+                partial = out.parent / f".{out.name}.partial-{secrets.token_hex(8)}"
+                with contextlib.suppress(FileExistsError):
+                    partial.mkdir()  # the umask's mode, not mkdtemp's 0700 that would lock a vLLM server out
+                    made_partial = True
+        except OSError as e:
+            _remove_empty(made)  # before naming the folder to make writable: the one that existed
+            nearest = next((p for p in out.parents if p.exists()), None)  # the folder OUT would be made in
+            if nearest is not None and not nearest.is_dir():
+                raise Fp8kitError(f"{out}: cannot create the output directory ({nearest} is not a directory); "
+                                  f"choose another OUT") from e
+            raise Fp8kitError(f"{out}: cannot create the output directory ({e.strerror or e}); choose another OUT "
+                              f"or make {nearest or out.parent} writable") from e
         yield partial
         _modes_from_umask(partial)
-        if out.exists() and overwrite:
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            out.rename(old)  # onto the empty folder just made
-            partial.rename(out)
-            shutil.rmtree(old)
-        else:
+        with _interrupts_deferred():  # OUT is never left moved aside with the new folder not yet in its place
+            if out.exists() and overwrite:
+                old = out.parent / f".{out.name}.old-{secrets.token_hex(8)}"
+                out.rename(old)
             partial.rename(out)  # fails if OUT appeared meanwhile: never replaced without --overwrite
-        ok = True
+            ok = True
     except OSError as e:
         raise Fp8kitError(f"{out}: cannot write ({e.strerror or e}); free disk space or choose another OUT") from e
     except Exception as e:  # noqa: BLE001 - only a failed write is reworded; the rest goes up as it is
@@ -108,10 +113,34 @@ def _atomic_directory(out: Path, overwrite: bool):
             raise
         raise Fp8kitError(f"{out}: cannot write ({reason}); free disk space or choose another OUT") from e
     finally:
-        if partial.exists():
-            shutil.rmtree(partial, ignore_errors=True)
+        for folder in (partial, old):
+            if folder is not None and folder.exists():
+                shutil.rmtree(folder, ignore_errors=True)
         if not ok:
             _remove_empty(made)
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Ctrl-C and SIGTERM arriving inside are raised on the way out, once the renames they would have split are
+    done. Only the main thread receives signals in Python, so elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = [s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None)) if s is not None]
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if caught:
+            handler = previous[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)  # KeyboardInterrupt for Ctrl-C and for sigterm_as_interrupt's SIGTERM
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(caught[0])
 
 
 def safetensors_os_error(e: BaseException) -> str | None:

@@ -307,12 +307,15 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
                           + (["--max-kl", repr(float(max_kl))] if max_kl is not None else []))
     # A staging folder of our own (no --staging) is removed when done, uploaded or not; a dry run keeps it only
     # when its report points there (something was staged and the run was not interrupted).
-    staging_root = Path(staging) if staging else Path(tempfile.mkdtemp(prefix="fp8kit-publish-"))
+    # Named before it is made, and made inside the try: a signal as mkdir returns still finds it in the finally.
+    staging_root = Path(staging) if staging else Path(tempfile.gettempdir()) / f"fp8kit-publish-{secrets.token_hex(8)}"
     results = []
     finished = False
     step, repo_id = "starting", ""
     try:
         with sigterm_as_interrupt():  # SIGTERM, like Ctrl-C, leaves no temporary folder (from Python too)
+            if not staging:
+                staging_root.mkdir(mode=0o700)  # as tempfile.mkdtemp makes it
             for scheme in schemes:
                 repo_id = repo_id_for(repo_template, org, base_model, scheme)
                 try:
