@@ -506,6 +506,19 @@ def test_registering_into_an_inline_overlay_keeps_it_readable(tmp_path, text):
     assert result.exit_code == 0 and "me/tiny-FP8-Dynamic" in result.stdout, result.output
 
 
+def test_an_entry_no_placement_reads_back_is_refused_not_written(tmp_path):
+    """Each place the entry could go is parsed back; where none reads as the old entries plus the new one, the
+    text is refused (append_to_overlay's read_file refuses such a file first, so _with_entry is called directly)."""
+    from fp8kit.errors import Fp8kitError
+
+    fields = Variant("me/tiny-FP8-Dynamic", "tiny", "dynamic", "compressed-tensors", ("dynamic",), ("org/tiny",),
+                     "overlay").to_dict()
+    fields.pop("source")
+    with pytest.raises(Fp8kitError, match=r"overlay.toml: cannot add me/tiny-FP8-Dynamic to this overlay; write its "
+                                          r"entries as \[\[variant\]\] tables"):
+        catalog._with_entry('variant = "not a list"\n', fields, tmp_path / "overlay.toml")
+
+
 def test_resolve_of_a_cached_conversion_says_where_it_is(tmp_path, llama_dir):
     """It said "will convert" and printed an fp8-convert command that fails on the existing folder."""
     from fp8kit.registry import ensure

@@ -148,6 +148,23 @@ def test_unusable_model_config_is_named(fp8_dir, tmp_path, text):
     _one_line(e, str(bad / "config.json"))
 
 
+def test_a_model_type_transformers_builds_no_language_model_of_is_one_short_line(fp8_dir, tmp_path):
+    """CLIP has no causal-LM class: transformers' ValueError lists every config class it has (thousands of
+    characters), which the line does not repeat."""
+    import transformers
+
+    bad = tmp_path / "clip"
+    shutil.copytree(fp8_dir, bad)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = transformers.CLIPConfig(text_config=small, vision_config=small).to_dict()
+    config["quantization_config"] = json.loads((Path(fp8_dir) / "config.json").read_text())["quantization_config"]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Fp8kitError) as e:
+        load_fp8_model(bad, dtype=torch.float32)
+    _one_line(e, str(bad), "builds no causal language model for model_type 'clip'")
+    assert len(str(e.value)) < 300, str(e.value)
+
+
 @pytest.mark.parametrize("keep", [-1000, 4], ids=["tail-cut", "shorter-than-header-length"])
 def test_truncated_model_shard_is_named(fp8_dir, tmp_path, keep):
     bad = tmp_path / "bad"

@@ -161,11 +161,11 @@ def test_multimodal_vision_tower_stays_in_source_precision(tmp_path):
     # what llm-compressor is handed: the loaded model's names
     from transformers import AutoModelForCausalLM
 
-    from fp8kit.converter.calibrated import _leave_alone
+    from fp8kit.converter.calibrated import _leave_alone, linear_checkpoint_names
 
     with quiet():
         model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
-    leave = _leave_alone(model, set(report.quantized))
+    leave = _leave_alone(linear_checkpoint_names(model), set(report.quantized))
     assert "model.vision_tower.encoder.layers.0.mlp.fc1" in leave and "lm_head" in leave
     assert not [n for n in leave if "language_model" in n]
 

@@ -18,7 +18,6 @@ from fp8kit.converter.output import atomic_directory, check_out
 from fp8kit.converter.schemes import SCHEMES
 from fp8kit.converter.select import natural_key, select
 from fp8kit.errors import Fp8kitError
-from fp8kit.loaded_names import loaded_names
 
 RUN_FIX = "use --scheme tensor or dynamic, which read the weights without running the model"
 
@@ -74,7 +73,8 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     # llm-compressor matches its ignore list against the loaded model's module names, which transformers renames
     # from the checkpoint's (Gemma 3's `vision_tower.encoder...` is `model.vision_tower.encoder...` in memory): every
     # Linear it must leave alone is named as it is loaded
-    recipe = QuantizationModifier(targets="Linear", scheme="FP8", ignore=_leave_alone(model, set(sel.quantize)),
+    names = linear_checkpoint_names(model)
+    recipe = QuantizationModifier(targets="Linear", scheme="FP8", ignore=_leave_alone(names, set(sel.quantize)),
                                   kv_cache_scheme=kv_scheme)
     try:
         with torch.no_grad():
@@ -110,7 +110,7 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
         if missed:
             warnings.append(f"{len(missed)} weights stay in source precision because llm-compressor quantizes torch "
                             f"Linear modules only: {', '.join(missed[:4])}{' ...' if len(missed) > 4 else ''}")
-        ignored = _write_ignore(partial, src_path, sel.keep + missed, written)
+        ignored = _write_ignore(partial, names, sel.keep + missed, written)
     files = source.folder_files(out)
     return ConvertReport(
         src=str(src), out=str(out), scheme="tensor-static", format="compressed-tensors", device=str(model.device),
@@ -125,16 +125,21 @@ def _is_linear(module) -> bool:
     return any(cls.__name__ == "Linear" for cls in type(module).__mro__)
 
 
-def _leave_alone(model, selected: set[str]) -> list[str]:
-    """The loaded model's names of every Linear whose weight is not among `selected` (checkpoint module names).
-    Each is mapped to the name save_pretrained writes it under, which is the checkpoint's (transformers reverts the
-    renaming it applied on loading); a Linear whose checkpoint name cannot be told is left alone as well."""
+def linear_checkpoint_names(model) -> dict[str, str]:
+    """{loaded model's name of each Linear: the module name save_pretrained writes it under}, which is the
+    checkpoint's (transformers reverts the renaming it applied on loading); "" where that cannot be told."""
     import torch
 
     linears = {name: module for name, module in model.named_modules()
                if _is_linear(module) and isinstance(getattr(module, "weight", None), torch.Tensor)}
     on_disk = _checkpoint_names(model, {f"{name}.weight": m.weight for name, m in linears.items()})
-    return [name for name in linears if on_disk.get(f"{name}.weight", "")[: -len(".weight")] not in selected]
+    return {name: on_disk.get(f"{name}.weight", "")[: -len(".weight")] for name in linears}
+
+
+def _leave_alone(names: dict[str, str], selected: set[str]) -> list[str]:
+    """The loaded model's names (linear_checkpoint_names) of every Linear whose checkpoint name is not among
+    `selected`; a Linear whose checkpoint name cannot be told is left alone as well."""
+    return [name for name, on_disk in names.items() if on_disk not in selected]
 
 
 def _checkpoint_names(model, weights: dict) -> dict[str, str]:
@@ -151,10 +156,10 @@ def _checkpoint_names(model, weights: dict) -> dict[str, str]:
         return {name: name for name in weights}
 
 
-def _write_ignore(folder: Path, src: Path, kept: list[str], quantized: set[str]) -> list[str]:
+def _write_ignore(folder: Path, names: dict[str, str], kept: list[str], quantized: set[str]) -> list[str]:
     """The config's ignore list made to say what was written: every Linear weight left in source precision, by
-    its name in the checkpoint and, where transformers renames it on loading, by that name too (fp8kit.loaded_names;
-    llm-compressor lists only the loaded names of the modules it matched, and misses torch Linear subclasses such as
+    its name in the checkpoint and, where transformers renames it on loading, by that name too (`names`, from
+    linear_checkpoint_names, as streaming conversions get them from fp8kit.loaded_names; llm-compressor lists only the loaded names of the modules it matched, and misses torch Linear subclasses such as
     nn.MultiheadAttention's out_proj). Returns the checkpoint names."""
     import json
 
@@ -163,7 +168,8 @@ def _write_ignore(folder: Path, src: Path, kept: list[str], quantized: set[str])
     qc = config["quantization_config"]
     theirs = [name for name in qc.get("ignore") or [] if name not in quantized]
     kept = sorted(set(kept) | set(theirs))
-    qc["ignore"] = ignore_list(kept, loaded=loaded_names(src, kept))
+    loaded = {on_disk: name for name, on_disk in names.items() if on_disk and on_disk != name}
+    qc["ignore"] = ignore_list(kept, loaded=loaded)
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return ignore_list(kept)
 

@@ -188,8 +188,8 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
             f"{len(by_experts)} expert weights kept in source precision with the other experts of their MoE layer "
             f"(engines load a layer's experts with one quantization): {', '.join(layers[:4])}"
             f"{' ...' if len(layers) > 4 else ''}")
-    unmatched = [p.pattern for p in patterns
-                 if not any(p.search(name) for name in [*map(_module, tensors), "lm_head"])]  # lm_head: always kept
+    modules = {*map(_module, tensors), "lm_head"}  # lm_head: always kept
+    unmatched = [p.pattern for p in patterns if not any(p.search(name) for name in modules)]
     if unmatched:
         sel.warnings.append(
             f"--ignore {', '.join(repr(u) for u in unmatched)} matched no weight: patterns are searched in module "

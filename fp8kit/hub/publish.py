@@ -316,8 +316,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         with sigterm_as_interrupt():  # SIGTERM, like Ctrl-C, leaves no temporary folder (from Python too)
             if not staging:
                 staging_root.mkdir(mode=0o700)  # as tempfile.mkdtemp makes it
-            for scheme in schemes:
-                repo_id = repo_id_for(repo_template, org, base_model, scheme)
+            for scheme, repo_id in zip(schemes, repo_ids):
                 try:
                     step = "converting"
                     conversion = cached_conversion(str(src_dir) if local else src, scheme, fmt)

@@ -283,13 +283,16 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
 
 def _model_for(config, dtype: torch.dtype, where: str) -> nn.Module:
     """The model from_pretrained would build (loaded_names.build_model), or one line saying there is none."""
+    import transformers
+
     from fp8kit.loaded_names import build_model
 
     try:
         return build_model(config, dtype)
-    except ValueError as e:
-        raise Fp8kitError(f"{where}: transformers has no causal language model for model_type "
-                          f"{config.model_type!r} ({_one_line(e)}); a newer transformers may be needed") from e
+    except ValueError as e:  # its message lists every config class transformers has: not repeated here
+        raise Fp8kitError(f"{where}: transformers {transformers.__version__} builds no causal language model for "
+                          f"model_type {config.model_type!r}; fp8kit.rl trains decoder language models (a model_type "
+                          f"newer than this transformers needs an upgrade)") from e
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
