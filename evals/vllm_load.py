@@ -168,6 +168,10 @@ def main():
     # Qwen3-MoE: all FP8, and with layer 0's experts kept in BF16 (one --ignore'd expert keeps its whole layer)
     made["bf16-moe"] = lambda: moe_src()
     made["dynamic/compressed-tensors moe"] = lambda: Path(convert(moe_src(), work / "moe-dynamic", scheme="dynamic").out)
+    # tensor in the compressed-tensors format is refused for MoE models (vllm_load_moe_schemes_h100.json)
+    for scheme, fmt in [("block", "compressed-tensors"), ("tensor", "fp8")]:
+        made[f"{scheme}/{fmt} moe"] = lambda scheme=scheme, fmt=fmt: Path(
+            convert(moe_src(), work / f"moe-{scheme}-{fmt}", scheme=scheme, format=fmt).out)
     made["dynamic/compressed-tensors moe (layer 0 experts kept bf16)"] = lambda: Path(convert(
         moe_src(), work / "moe-dynamic-ignore", scheme="dynamic", ignore=[r"layers\.0\.mlp\.experts\.3\.down_proj"]).out)
 

@@ -37,6 +37,12 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
                       vision_config=dict(model_type="pixtral", hidden_size=128, intermediate_size=256,
                                          num_hidden_layers=1, num_attention_heads=2, image_size=56, patch_size=14),
                       image_token_index=500, spatial_merge_size=2)),
+    # Gemma 3n's text model: AltUp and per-layer-input projections, Linear modules outside the decoder blocks, two of
+    # them (`altup_unembed_projections.N`) named after embeddings
+    "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM",
+                dict(_COMMON, head_dim=64, vocab_size_per_layer_input=512, hidden_size_per_layer_input=128,
+                     layer_types=["sliding_attention", "full_attention"], sliding_window=64, num_kv_shared_layers=0,
+                     altup_num_inputs=4, laurel_rank=64, activation_sparsity_pattern=[0.0, 0.0])),
     # Granite 4.0-h: Mamba and attention layers, experts fused into 3-D `block_sparse_moe.input_linear.weight`
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
                          dict(_COMMON, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2,

@@ -294,6 +294,8 @@ def test_more_bad_options_and_outputs(llama_dir, tmp_path):
                          "out of range")
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--max-shard-size", "0MB"), out,
                          "--max-shard-size '0MB': out of range")  # as typed (it printed 0.0)
+    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--max-shard-size", "0.5"), out,
+                         "--max-shard-size '0.5': out of range")  # half a byte: it wrote a shard per tensor
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "tensor-static", "--format", "fp8"), out,
                          "compressed-tensors format only")
     if not torch.cuda.is_available():
@@ -604,3 +606,20 @@ def test_fused_experts_named_otherwise_are_refused_or_kept_and_listed(tmp_path):
         assert written[name].dtype == torch.bfloat16 and torch.equal(written[name], source[name]), name
     assert written["model.layers.1.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
     assert "model.layers.0.mamba.conv1d" not in ignore
+
+
+def test_per_tensor_compressed_tensors_moe_is_refused_and_the_alternatives_convert(tmp_path):
+    """vLLM's compressed-tensors MoE layers assert on per-tensor weights with per-token activations as the engine
+    builds the model (evals/results/vllm_load_moe_schemes_h100.json): refused in one line before anything is written.
+    The fp8 format's per-tensor layout (vLLM's Fp8MoEMethod) and an --ignore of every expert are not."""
+    src = build_checkpoint(tmp_path / "src", "qwen3_moe", torch.bfloat16, seed=4)
+    out = tmp_path / "out"
+    code, err = run_cli(src, out, "--scheme", "tensor")
+    assert_clean_failure(code, err, out, str(src.resolve()), "expert weights", "model.layers.0.mlp.experts.0.",
+                         "--format fp8")
+    code, err = run_cli(src, tmp_path / "fp8", "--scheme", "tensor", "--format", "fp8")
+    assert code == 0, err
+    code, err = run_cli(src, tmp_path / "dense-only", "--scheme", "tensor", "--ignore", r"\.experts\.")
+    assert code == 0, err
+    ignore = json.loads((tmp_path / "dense-only" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.layers.1.mlp.experts.3.down_proj" in ignore

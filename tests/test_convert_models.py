@@ -287,3 +287,21 @@ def test_ignore_pattern_matching_nothing_is_warned(llama_dir, tmp_path):
     tied = build_checkpoint(tmp_path / "qwen3", "qwen3", torch.bfloat16, seed=1)
     report = convert(tied, tmp_path / "tied", scheme="dynamic", ignore=["lm_head"])
     assert not [w for w in report.warnings if "matched no weight" in w], report.warnings
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "tensor"])
+def test_linear_projections_named_after_embeddings_are_named_in_the_ignore_list(tmp_path, scheme):
+    """Gemma 3n's `altup_unembed_projections.N` are Linear modules outside the decoder blocks: kept in source precision
+    and named in the ignore list, as its other projections are. Left out of it (their names hold "embed", as the
+    embedding tables' do), transformers wrapped them as FP8 with no scale to load: NaN logits."""
+    src = build_checkpoint(tmp_path / "src", "gemma3n", torch.bfloat16, seed=1)
+    report = convert(src, tmp_path / "out", scheme=scheme)
+    unembed = [f"model.altup_unembed_projections.{i}" for i in range(3)]
+    ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert set(unembed) <= set(ignore) and set(unembed) <= set(report.ignored)
+    assert "model.altup_projections.0" in ignore and "model.per_layer_model_projection" in ignore
+    assert not [name for name in ignore if name.endswith(("embed_tokens", "embed_tokens_per_layer"))]
+    names = tensors(tmp_path / "out")
+    assert all(names[f"{m}.weight"] == "BF16" for m in unembed)
+    result = drift(src, tmp_path / "out")
+    assert 0 < result["kl"] < KL_BOUND, result

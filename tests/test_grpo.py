@@ -197,6 +197,142 @@ def test_gradient_accumulation_matches_one_batch(tiny_fp8, loss_type):
         assert logged[other]["clip_ratio"] == pytest.approx(logged[0]["clip_ratio"], abs=1e-9)
 
 
+def _fixed_rollout(lengths, seed=1):
+    """Completions of the given lengths with seeded tokens and rollout log-probabilities of their own (not the
+    trainer's, as a vLLM engine's differ): the importance weights are active and some hit the cap. The prompts it
+    was asked for are kept for a reference loss."""
+    from fp8kit.rl.rollout import Completion, HFRollout
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 290, (len(lengths), max(lengths)), generator=g).tolist()
+    logps = (-torch.rand(len(lengths), max(lengths), generator=g) * 10).tolist()
+
+    class Fixed(HFRollout):
+        prompts: list = []
+
+        def generate(self, prompt_ids, n, *args, **kwargs):
+            Fixed.prompts = [list(p) for p in prompt_ids]
+            return [Completion(ids[i][:k], logps[i][:k]) for i, k in enumerate(lengths)]
+
+    return Fixed
+
+
+def _seeded_lora_model(tiny_fp8, dtype):
+    torch.manual_seed(0)
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=dtype, device="cpu")
+    with torch.no_grad():
+        for i, m in enumerate(lora_modules(model).values()):
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=torch.Generator().manual_seed(i)) * 0.05)
+    return model, tok
+
+
+def _sum_reward(completion_ids, **_):
+    return [float(sum(c) % 7) for c in completion_ids]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "gspo"])
+def test_a_steps_gradient_is_the_reference_loss_written_out(tiny_fp8, loss_type):
+    """train()'s gradient against TRL's loss written out row by row from plain unpadded forwards, in float64 sums:
+    group-normalized advantages, the clipped ratio, importance weights exp(trainer - rollout) capped, the k3 KL to
+    the adapters-off model, temperature, and each loss type's normalizer; one batch and three uneven micro-batches.
+    Tolerance: 1e-5 relative on the gradient (float32 forwards; the runs agree to ~1e-6)."""
+    lengths, n, width = [6, 1, 4, 0, 3, 6, 2, 5], 4, 8  # no completion reaches max_completion_length
+    config = dict(steps=1, prompts_per_step=2, num_generations=n, max_completion_length=width, seed=5,
+                  loss_type=loss_type, gradient_checkpointing=False, beta=0.1, temperature=0.7, learning_rate=0.0)
+    grads = []
+    for accumulation in (1, 3):
+        model, tok = _seeded_lora_model(tiny_fp8, torch.float32)
+        seen = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda p, name=name: seen.__setitem__(name, p.grad.double()))
+        rollout = _fixed_rollout(lengths)(model, tok)
+        cfg = GRPOConfig(**config, gradient_accumulation_steps=accumulation)
+        logged = train(model, tok, ["the quick", "lazy dog"], [_sum_reward], cfg, rollout=rollout)[0]
+        grads.append(seen)
+    prompts, completions = rollout.prompts, rollout.generate(rollout.prompts, n)
+
+    model, tok = _seeded_lora_model(tiny_fp8, torch.float32)
+    rewards = torch.tensor(_sum_reward([c.token_ids for c in completions]), dtype=torch.float64).view(-1, n)
+    advantages = rewards - rewards.mean(1, keepdim=True)
+    if cfg.effective_scale_rewards in (True, "group"):
+        advantages = advantages / (rewards.std(1, keepdim=True) + 1e-4)
+    low, high = 1 - cfg.epsilon, 1 + cfg.effective_epsilon_high
+    rows, capped = [], 0
+    for i, c in enumerate(completions):
+        prompt, target = prompts[i // n], torch.tensor(c.token_ids, dtype=torch.long)
+        ids = torch.tensor([prompt + c.token_ids])
+
+        def token_logps():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].double() / cfg.temperature
+            return logits.log_softmax(-1).gather(-1, target[:, None])[:, 0]
+
+        logp = token_logps()
+        with torch.no_grad(), adapters_disabled(model):
+            ref = token_logps()
+        old = logp.detach()
+        ratio = torch.exp(logp - old)
+        if loss_type == "gspo":  # the sequence's mean log-ratio, one ratio for all its tokens
+            ratio = torch.exp((logp - old).mean()).expand(len(logp)) if len(logp) else ratio
+        a = advantages.view(-1)[i]
+        loss = -torch.min(ratio * a, ratio.clamp(low, high) * a)
+        weights = torch.exp(old - torch.tensor(c.logprobs, dtype=torch.float64))
+        capped += int((weights > cfg.importance_sampling_cap).sum())
+        loss = loss * weights.clamp(max=cfg.importance_sampling_cap)
+        rows.append(loss + cfg.beta * (torch.exp(ref - logp) - (ref - logp) - 1))
+    if loss_type in ("grpo", "gspo"):
+        total = torch.stack([r.sum() / max(1, len(r)) for r in rows]).mean()
+    elif loss_type == "dr_grpo":
+        total = sum(r.sum() for r in rows) / (len(rows) * width)
+    else:
+        total = sum(r.sum() for r in rows) / sum(len(r) for r in rows)
+    total.backward()
+    expected = {name: p.grad.double() for name, p in model.named_parameters() if p.requires_grad}
+    assert 0 < capped < sum(lengths)  # the cap is exercised, and not on every token
+    scale = sum(float(g.norm() ** 2) for g in expected.values()) ** 0.5
+    assert scale > 0 and logged["loss"] == pytest.approx(total.item(), rel=1e-5, abs=1e-7)
+    for got in grads:
+        assert set(got) == set(expected)
+        error = sum(float((got[k] - expected[k]).norm() ** 2) for k in expected) ** 0.5
+        assert error <= 1e-5 * scale, (error, scale)
+
+
+def _record_stepped_gradients(monkeypatch) -> list:
+    """The gradients the optimizer steps on (the float32 masters', unscaled), in the trainable parameters' order, as
+    train() hands them to clip_grad_norm_."""
+    stepped = []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def recording_clip(params, *args, **kwargs):
+        stepped[:] = [p.grad.double().clone() for p in params]
+        return clip(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
+    return stepped
+
+
+def test_bfloat16_micro_batch_gradients_add_up_in_float32(tiny_fp8, monkeypatch):
+    """With LoRA parameters in bfloat16, the gradient the optimizer steps on is the float32 sum of the micro-batches'
+    gradients: summed in bfloat16, 8 micro-batches were 0.4% off. Tolerance: 1e-6 relative (float32 sums of the
+    same bfloat16 gradients)."""
+    lengths = torch.randint(1, 12, (32,), generator=torch.Generator().manual_seed(2)).tolist()
+    model, tok = _seeded_lora_model(tiny_fp8, torch.bfloat16)
+    exact = {}
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            p.register_hook(lambda g, name=name: exact.__setitem__(name, exact.get(name, 0) + g.double()))
+    stepped = _record_stepped_gradients(monkeypatch)
+    cfg = GRPOConfig(steps=1, prompts_per_step=4, num_generations=8, max_completion_length=12, seed=5,
+                     gradient_accumulation_steps=8, gradient_checkpointing=False, learning_rate=0.0, loss_type="dapo")
+    train(model, tok, ["the quick", "lazy dog", "brown fox", "jumps over"], [_sum_reward], cfg,
+          rollout=_fixed_rollout(lengths, seed=2)(model, tok))
+    assert len(stepped) == len(names)
+    scale = sum(float(exact[k].norm() ** 2) for k in names) ** 0.5
+    error = sum(float((g - exact[k]).norm() ** 2) for g, k in zip(stepped, names)) ** 0.5
+    assert scale > 0 and error <= 1e-6 * scale, (error, scale)
+
+
 def test_dropout_is_off_while_training_and_restored(tiny_fp8, tmp_path):
     """The rollout samples without dropout; scored with it, the importance weights would measure dropout noise.
     Attention layers apply config.attention_dropout themselves (a float, not an nn.Dropout): it was left on."""
@@ -403,7 +539,7 @@ def test_prompts_reach_the_tokenizer_one_string_at_a_time(tiny_fp8):
     assert [s["step"] for s in steps] == [1]
 
 
-def test_float16_gradients_are_loss_scaled(tiny_llama):
+def test_float16_gradients_are_loss_scaled(tiny_llama, monkeypatch):
     """float16's smallest normal is 6e-5 and a GRPO loss averages over every completion token. Unscaled, this tiny
     model's LoRA gradient was 0.78% off float32's and 20 entries flushed to zero; with dynamic loss scaling 0.11%
     off, for the same completions (a fixed rollout), from the BF16 checkpoint: FP8's activation rounding adds ~3%
@@ -423,19 +559,16 @@ def test_float16_gradients_are_loss_scaled(tiny_llama):
         with torch.no_grad():
             for i, m in enumerate(lora_modules(model).values()):
                 m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=torch.Generator().manual_seed(i)) * 0.05)
-        seen = {}
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda p, name=name: seen.__setitem__(name, p.grad.double().clone()))
+        names = [name for name, p in model.named_parameters() if p.requires_grad]
+        stepped = _record_stepped_gradients(monkeypatch)
         config = GRPOConfig(steps=1, prompts_per_step=4, num_generations=8, max_completion_length=24, seed=5,
                             gradient_checkpointing=False, gradient_accumulation_steps=8)
         step = train(model, tok, ["the quick", "lazy dog", "brown fox", "jumps over"],
                      lambda completion_ids, **_: [sum(c) / 3000 for c in completion_ids], config,
                      rollout=Fixed(model, tok))[0]
-        grads[dtype], scales[dtype] = seen, step.get("loss_scale", 1.0)
+        grads[dtype], scales[dtype] = dict(zip(names, stepped)), step.get("loss_scale", 1.0)
     assert "loss_scale" not in step or scales[torch.float16] == 2.0 ** 16
-    ref = grads[torch.float32]
-    got = {n: g / scales[torch.float16] for n, g in grads[torch.float16].items()}
+    ref, got = grads[torch.float32], grads[torch.float16]  # the masters' gradients, unscaled
     err = sum(float((got[n] - ref[n]).norm() ** 2) for n in ref) ** 0.5 / sum(float(ref[n].norm() ** 2) for n in ref) ** 0.5
     zeros = sum(int(((got[n] == 0) & (ref[n] != 0)).sum()) for n in ref) / sum(ref[n].numel() for n in ref)
     assert err < 0.003 and zeros < 1e-4, (err, zeros)

@@ -86,3 +86,17 @@ def test_fused_weights_of_more_than_two_dimensions():
     # in a vision tower, as any tensor there, kept without a word
     assert select(infos({"model.vision_tower.layers.0.mlp.w.weight": (4, 8, 8),
                          "model.layers.0.mlp.up_proj.weight": (8, 8)}), SCHEMES["dynamic"], []).keep == []
+
+
+def test_qwen3_5_linear_attention_pairs_share_one_status():
+    """vLLM 0.25 loads Qwen3.5's in_proj_qkv + in_proj_z as one in_proj_qkvz GEMM, and in_proj_b + in_proj_a as
+    in_proj_ba: an --ignore of one member keeps its pair in source precision too."""
+    attention = "model.language_model.layers.0.linear_attn"
+    t = infos({f"{attention}.in_proj_qkv.weight": (512, 256), f"{attention}.in_proj_z.weight": (256, 256),
+               f"{attention}.in_proj_b.weight": (128, 256), f"{attention}.in_proj_a.weight": (128, 256),
+               f"{attention}.out_proj.weight": (256, 256)})
+    sel = select(t, SCHEMES["dynamic"], ["in_proj_z", "in_proj_a"])
+    assert sel.quantize == [f"{attention}.out_proj"]
+    assert sorted(sel.keep) == sorted(f"{attention}.{m}" for m in ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                                  "in_proj_a"))
+    assert len(select(t, SCHEMES["dynamic"], []).quantize) == 5

@@ -206,3 +206,20 @@ def test_activation_scales_that_overflow_are_refused(tmp_path):
     assert result.exit_code == 1 and not out.exists(), result.output
     last = result.stderr.strip().splitlines()[-1]  # the one line, after the libraries' progress bars
     assert "the calibrated model.layers.1." in last and "overflow float16" in last, last
+
+
+def test_an_ignore_entry_of_llmcompressor_by_its_loaded_name_is_reported_once(tmp_path):
+    """llm-compressor may write a module it left alone under the loaded model's name: the report names it once, by
+    its checkpoint name, and the config names it both ways, as for the modules fp8kit keeps itself."""
+    from fp8kit.converter.calibrated import _write_ignore
+
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"ignore": [
+        "lm_head", "model.vision_tower.encoder.layers.0.mlp.fc1", "re:.*router$"]}}))
+    names = {"model.vision_tower.encoder.layers.0.mlp.fc1": "vision_tower.encoder.layers.0.mlp.fc1",
+             "model.language_model.layers.0.mlp.up_proj": "language_model.model.layers.0.mlp.up_proj",
+             "lm_head": "lm_head"}
+    reported = _write_ignore(tmp_path, names, ["vision_tower.encoder.layers.0.mlp.fc1"],
+                             {"language_model.model.layers.0.mlp.up_proj"})
+    assert reported == ["lm_head", "re:.*router$", "vision_tower.encoder.layers.0.mlp.fc1"]
+    written = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["ignore"]
+    assert sorted(written) == sorted(reported + ["model.vision_tower.encoder.layers.0.mlp.fc1"])

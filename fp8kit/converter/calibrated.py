@@ -166,9 +166,10 @@ def _write_ignore(folder: Path, names: dict[str, str], kept: list[str], quantize
     path = folder / "config.json"
     config = json.loads(path.read_text())
     qc = config["quantization_config"]
-    theirs = [name for name in qc.get("ignore") or [] if name not in quantized]
-    kept = sorted(set(kept) | set(theirs))
     loaded = {on_disk: name for name, on_disk in names.items() if on_disk and on_disk != name}
+    # llm-compressor's own entries may be loaded names: each is counted once, by its checkpoint name
+    theirs = [names.get(name) or name for name in qc.get("ignore") or []]
+    kept = sorted(set(kept) | {name for name in theirs if name not in quantized})
     qc["ignore"] = ignore_list(kept, loaded=loaded)
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return ignore_list(kept)

@@ -27,7 +27,9 @@ ROUTERS = {"gate", "router", "shared_expert_gate"}
 KEPT_PARTS = ROUTERS | {"shared_head", "eh_proj"}
 # Modules that serving engines fuse into one GEMM (qkv_proj, gate_up_proj): one status for all of them.
 SIBLINGS = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("query", "key", "value"),
-            ("q_a_proj", "kv_a_proj_with_mqa")]  # vLLM's fused_qkv_a_proj in DeepSeek-V3 / Kimi-K2
+            ("q_a_proj", "kv_a_proj_with_mqa"),  # vLLM's fused_qkv_a_proj in DeepSeek-V3 / Kimi-K2
+            # Qwen3.5's linear attention: vLLM 0.25 loads them as in_proj_qkvz and in_proj_ba (qwen3_5.py)
+            ("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a")]
 QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "weight_packed", "weight_zero_point",
                   "qweight", "qzeros", "weight_global_scale")
 
@@ -55,6 +57,15 @@ def is_candidate(module: str) -> bool:
         return False
     parts = DECODER_BLOCK.split(module)[-1].split(".")
     return not any(p in KEPT_PARTS or "embed" in p or "norm" in p for p in parts)
+
+
+def is_embedding_table(module: str) -> bool:
+    """An embedding (`embed_tokens`, `word_embeddings`, `wte`), by its own name: not a Linear, so not named in the
+    ignore list (llm-compressor's lists name Linear modules only). Linear projections named after embeddings (Gemma
+    3n's `altup_unembed_projections.N`, its `embed_vision.embedding_projection`) are named there: a Linear left out
+    of it gets an FP8 wrapper in transformers and vLLM with no scale to load (NaN logits)."""
+    leaf = module.split(".")[-1]
+    return leaf in ("wte", "wpe") or ("embed" in leaf and "unembed" not in leaf and "proj" not in leaf)
 
 
 def _module(name: str) -> str:
@@ -157,7 +168,7 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
         if not name.endswith(".weight") or len(info.shape) != 2:
             continue
         if not is_candidate(module) or info.numel == 0:
-            if not any("embed" in p for p in module.split(".")) and module.split(".")[-1] not in ("wte", "wpe"):
+            if not is_embedding_table(module):
                 sel.keep.append(module)
             continue
         _check_source_dtype(info)

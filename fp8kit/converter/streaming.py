@@ -27,7 +27,7 @@ from fp8kit.converter.output import atomic_directory, check_out
 from fp8kit.converter.safetensors_io import (DTYPES, ITEMSIZE, OutTensor, TensorInfo, layout,
                                              read_bytes, save_small, to_tensor, write_all)
 from fp8kit.converter.schemes import SCHEMES, Scheme, amax, quantize_with_scale, scale_from_amax
-from fp8kit.converter.select import check_not_quantized, natural_key, select
+from fp8kit.converter.select import check_not_quantized, expert_layer, natural_key, select
 from fp8kit.errors import Fp8kitError
 from fp8kit.loaded_names import loaded_names
 
@@ -67,8 +67,8 @@ def parse_size(size: str | int) -> int:
         raise Fp8kitError(f"--max-shard-size {size!r}: expected a size such as 5GB, 500MB or 2GiB")
     base = 1024 if m.group(3) else 1000
     nbytes = float(m.group(1)) * base ** "_KMGT".index(m.group(2) or "_")
-    if not 0 < nbytes < 2**63:
-        raise Fp8kitError(f"--max-shard-size {size!r}: out of range; give a size above zero, such as 5GB")
+    if not 1 <= nbytes < 2**63:  # under a byte ('0.5') truncated to 0: a shard per tensor
+        raise Fp8kitError(f"--max-shard-size {size!r}: out of range; give at least one byte, such as 5GB")
     return int(nbytes)
 
 
@@ -315,6 +315,18 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def _check_moe_layout(src_path: Path, spec: Scheme, fmt: str, quantized: list[str]) -> None:
+    """vLLM's compressed-tensors MoE layers take per-tensor weights only with static per-tensor activations
+    (vLLM 0.25 CompressedTensorsW8A8Fp8MoEMethod asserts on per-tensor weights with per-token activations as it builds
+    the model; evals/results/vllm_load_moe_schemes_h100.json): such a checkpoint would be written and never served."""
+    experts = [m for m in quantized if expert_layer(m)]
+    if spec.name == "tensor" and fmt == "compressed-tensors" and experts:
+        raise Fp8kitError(f"{src_path}: --scheme tensor in the compressed-tensors format quantizes {len(experts)} "
+                          f"expert weights (e.g. {experts[0]}) that vLLM's MoE layers cannot load with per-token "
+                          f"activations; use --scheme dynamic or block, --scheme tensor --format fp8, or "
+                          f"--scheme tensor-static; nothing was written")
+
+
 def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynamic",
             format: str = "compressed-tensors", ignore: list[str] | tuple[str, ...] = (), device: str = "auto",
             max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False,
@@ -364,6 +376,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     check_out(out, overwrite, src_path)
     config, tensors = read_source(src_path)
     sel = select(tensors, spec, list(ignore), lm_head=lm_head, tied=_tied(config), src=src_path)
+    _check_moe_layout(src_path, spec, format, sel.quantize)
     jobs = _plan(tensors, set(sel.quantize), spec, format)
     shards = _shard(jobs, shard_bytes)
     files_out = len(shards) + (1 if kv_cache else 0)  # KV-cache scales: a shard of their own, last

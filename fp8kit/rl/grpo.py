@@ -539,6 +539,21 @@ def _dropouts(model: nn.Module) -> list[tuple[nn.Module, str, float]]:
     return found
 
 
+def _add_grads_to_masters(trainable: dict, masters: dict) -> None:
+    """Each micro-batch's bfloat16/float16 LoRA gradients, added into their float32 masters' gradients: summed in the
+    parameters' own dtype, 8 micro-batches were 0.4% off the sum of their gradients (32: 0.7%), so accumulating
+    did not equal one batch. An fp16 overflow stays inf in the master, where the loss scaler finds it."""
+    for name, p in trainable.items():
+        master = masters[name]
+        if master is p or p.grad is None:
+            continue
+        if master.grad is None:
+            master.grad = p.grad.float()
+        else:
+            master.grad += p.grad
+        p.grad = None
+
+
 def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, scaler, masters, trainable, start,
            on_step):
     device = next(iter(trainable.values())).device
@@ -602,6 +617,7 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
             share = (mask.sum().clamp_min(1).item() / total_tokens if config.loss_type == "dapo"
                      else len(idx) / len(completions))
             scaler.scale(out.loss * share).backward()
+            _add_grads_to_masters(trainable, masters)
             stats["loss"] += out.loss.item() * share
             # the logged token means are the batch's whatever the loss's weighting and the micro-batching (gspo's
             # clip ratio counts sequences)
@@ -612,10 +628,6 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
             stats["mismatch_kl"] += mismatch_kl(logp.detach(), rollout_logp, mask).item() * tokens
             if is_weights is not None:
                 stats["is_weight_mean"] += ((is_weights * mask).sum() / mask.sum().clamp_min(1)).item() * tokens
-        for name, p in trainable.items():
-            if masters[name] is not p:
-                masters[name].grad = None if p.grad is None else p.grad.float()
-                p.grad = None
         loss_scale = scaler.get_scale() if scaler.is_enabled() else None
         scaler.unscale_(optimizer)  # the masters' float32 gradients, before clipping sees them
         grad_norm = torch.nn.utils.clip_grad_norm_(list(masters.values()), config.max_grad_norm).item()
