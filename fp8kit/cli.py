@@ -343,8 +343,8 @@ def publish(src, base_model, schemes, fmt, repo_template, org, private, create_p
                               max_kl, fmt)
         elif src and schemes:
             check_format(fmt, schemes)
-            jobs = [dict(src=src, schemes=list(schemes), base_model=base_model, repo_template=repo_template, org=org,
-                         max_kl=max_kl, fmt=fmt)]
+            jobs = [dict(src=src, schemes=list(dict.fromkeys(schemes)), base_model=base_model,
+                         repo_template=repo_template, org=org, max_kl=max_kl, fmt=fmt)]
         else:
             _fail("give SRC and at least one --scheme, or --plan FILE", 2)
         for job in jobs:
@@ -413,7 +413,7 @@ def _plan_jobs(path, read_plan, check_format, src, base_model, schemes, repo_tem
         _fail(f"--plan {path}: its top level sets " + " and ".join(repr(k) for k, _ in both) + ", and the command line "
               f"gives " + " and ".join(o for _, o in both) + "; keep one (the command line's value is the default of a "
               f"plan that has none)", 2)
-    jobs = [dict(src=m["src"], schemes=list(m["schemes"]), base_model=m.get("base_model"),
+    jobs = [dict(src=m["src"], schemes=list(dict.fromkeys(m["schemes"])), base_model=m.get("base_model"),
                  repo_template=m.get("repo_template", plan.get("repo_template", repo_template)),
                  org=m.get("org", plan.get("org", org)), max_kl=m.get("max_kl", plan.get("max_kl", max_kl)),
                  fmt=m.get("format", plan.get("format", fmt)))
@@ -422,8 +422,29 @@ def _plan_jobs(path, read_plan, check_format, src, base_model, schemes, repo_tem
         check_format(job["fmt"], job["schemes"], f"{path}: [[model]] number {i + 1}: format" if "format" in m else
                      f"{path}: top-level format (for [[model]] number {i + 1})" if "format" in plan else
                      f"--format (for {path}'s [[model]] number {i + 1})")
+    _check_plan_names(path, jobs)
     _refuse_shared_repos(path, jobs)
     return jobs
+
+
+def _check_plan_names(path, jobs: list[dict]) -> None:
+    """Every entry's base model and repo names, as publish() checks them, before the first entry is converted: a bad
+    name in a later entry was found after earlier ones were uploaded."""
+    from fp8kit.hub.publish import _check_hub_name, repo_id_for
+    from fp8kit.registry.catalog import is_repo_name
+
+    for i, job in enumerate(jobs):
+        base = job["base_model"] or job["src"].partition("@")[0]
+        if not is_repo_name(base):
+            field = "base_model" if job["base_model"] else "src"
+            raise Fp8kitError(f"--plan {path}: [[model]] number {i + 1}: {field} {base!r} is not a Hub repo id "
+                              f"ORG/NAME")
+        if job["org"]:  # without one the token's user names the repos, checked when publish() asks for it
+            for scheme in job["schemes"]:
+                try:
+                    _check_hub_name(repo_id_for(job["repo_template"], job["org"], base, scheme))
+                except Fp8kitError as e:
+                    raise Fp8kitError(f"--plan {path}: [[model]] number {i + 1}: {e}") from e
 
 
 def _refuse_shared_repos(path, jobs: list[dict]) -> None:

@@ -91,9 +91,10 @@ def test_publish_two_schemes_then_rerun_uploads_nothing(tmp_path, hub, src):
 
 def test_dry_run_contacts_no_server_and_needs_no_token(tmp_path, hub, src):
     proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "tensor", "--dry-run", "--org", "me",
-                   "--staging", tmp_path / "staging", token=None)
+                   "--staging", tmp_path / "staging", "--scheme", "tensor", token=None)
     assert proc.returncode == 0, proc.stderr
     assert hub.requests == []
+    assert proc.stdout.count("me/tiny-FP8-Tensor") == 1  # a scheme given twice is one variant
     folder = tmp_path / "staging" / "me--tiny-FP8-Tensor"
     assert sorted(p.name for p in folder.iterdir()) == [
         "README.md", "config.json", "fp8kit.json", "generation_config.json", "model.safetensors"]

@@ -263,6 +263,22 @@ def test_plan_with_a_local_src_and_no_base_model_is_refused_before_any_work(tmp_
 
 
 
+@pytest.mark.parametrize("entry,needle", [
+    ('base_model = "not a repo"', "[[model]] number 2: base_model 'not a repo' is not a Hub repo id ORG/NAME"),
+    ('base_model = "org/tiny2"\norg = "bad org!"', "[[model]] number 2: bad org!/tiny2-FP8-Dynamic: the Hub refuses"),
+])
+def test_plan_names_the_hub_refuses_are_refused_before_any_work(tmp_path, src, entry, needle):
+    """Checked as publish() checks them, but for every entry first: the first entry was converted and staged (in a
+    real run, uploaded) before a later one's bad name was found."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(GOOD.format(src=src) + f'[[model]]\nsrc = "{src}"\nschemes = ["dynamic"]\n{entry}\n')
+    result = CliRunner().invoke(main, ["publish", "--plan", str(plan), "--dry-run", "--org", "me",
+                                       "--staging", str(tmp_path / "staging")])
+    line = one_line_error(result)
+    assert needle in line, line
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "staging").exists()
+
+
 def test_template_that_sends_two_schemes_to_one_repo_is_refused_before_any_work(tmp_path, src):
     """The second upload replaced the first under the scheme registered for it."""
     result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--scheme", "dynamic",

@@ -431,9 +431,11 @@ def test_a_marker_edited_into_another_shape_is_rebuilt(tmp_path, llama_dir):
     out = ensure_proc(tmp_path, str(llama_dir), "dynamic").communicate(timeout=120)[0].strip()
     marker = Path(out) / "fp8kit-entry.json"
     info = json.loads(marker.read_text())
-    marker.write_text(json.dumps({**info, "files": list(info["files"])}))
+    marker.write_text(json.dumps({**info, "files": list(info["files"]), "name": [info["name"]]}))
     listing = CliRunner().invoke(main, ["cache", "list", "--json"])
     assert listing.exit_code == 0 and [r["ok"] for r in json.loads(listing.stdout)] == [False], listing.output
+    listing = CliRunner().invoke(main, ["cache", "list"])  # a name that is not a string: shown as unknown
+    assert listing.exit_code == 0 and listing.stdout.startswith("? ") and "BROKEN" in listing.stdout, listing.output
     proc = ensure_proc(tmp_path, str(llama_dir), "dynamic")
     assert proc.communicate(timeout=120)[0].strip() == out and proc.returncode == 0
     assert isinstance(json.loads(marker.read_text())["files"], dict)  # converted again
@@ -531,3 +533,64 @@ def test_resolve_of_a_cached_conversion_says_where_it_is(tmp_path, llama_dir):
     assert "fp8-convert" not in result.stdout and "will convert" not in result.stdout
     fresh = resolve(str(llama_dir), "block")  # another scheme of it is not cached
     assert not fresh.cached and fresh.convert_command.startswith("fp8-convert ")
+
+
+def test_a_broken_cached_entry_gets_a_command_that_replaces_it(tmp_path, llama_dir):
+    """An entry whose files no longer match its marker is rebuilt by ensure(); the command resolve printed for it
+    failed on the existing folder (no --overwrite)."""
+    import shlex
+
+    from fp8kit.cli import fp8_convert
+    from fp8kit.registry import ensure
+
+    entry = ensure(str(llama_dir), "dynamic")
+    with open(entry / "config.json", "a") as f:
+        f.write(" ")
+    answer = resolve(str(llama_dir), "dynamic")
+    assert not answer.cached and answer.convert_command.endswith("--overwrite"), answer.convert_command
+    result = CliRunner().invoke(fp8_convert, shlex.split(answer.convert_command)[1:])
+    assert result.exit_code == 0, result.output
+    assert resolve(str(llama_dir), "dynamic").cached
+
+
+def test_a_pasted_local_path_with_spaces_is_the_local_checkpoint(tmp_path, llama_dir, monkeypatch):
+    """A folder named like a catalogued Hub id is converted, typed or pasted with stray spaces; pasted, the spaces
+    sent it to the catalog's upload of another model."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "Qwen").mkdir()
+    shutil.copytree(llama_dir, tmp_path / "Qwen" / "Qwen3-8B")
+    for typed in ("Qwen/Qwen3-8B", " Qwen/Qwen3-8B \n", "./Qwen/Qwen3-8B "):
+        answer = resolve(typed, "dynamic")
+        assert answer.source == "convert" and answer.repo_id is None and answer.name == typed.strip(), answer
+
+
+def test_an_overlay_listing_one_repo_twice_is_refused(tmp_path, monkeypatch):
+    """resolve answered with the first entry and publish checked against the last: a dynamic upload could land under
+    a repo id resolve calls block."""
+    overlay = tmp_path / "overlay.toml"
+    entry = ('[[variant]]\nrepo_id = "{repo}"\nfamily = "tiny"\nscheme = "{scheme}"\nformat = "compressed-tensors"\n'
+             'serves = ["{scheme}"]\nbase = ["myorg/tiny"]\n')
+    overlay.write_text(entry.format(repo="myorg/tiny-FP8", scheme="block") + "\n" +
+                       entry.format(repo="MyOrg/Tiny-FP8", scheme="dynamic"))
+    monkeypatch.setenv("FP8KIT_REGISTRY", str(overlay))
+    result = CliRunner().invoke(main, ["resolve", "myorg/tiny-FP8"])
+    assert result.exit_code == 1 and result.stderr.strip() == (
+        f"error: {overlay}:9: MyOrg/Tiny-FP8 is listed already ({overlay}:1); keep one entry for it"), result.output
+
+
+def test_a_file_cache_rm_cannot_delete_is_one_line(tmp_path, llama_dir, monkeypatch):
+    """A file rmtree cannot delete (an immutable flag, a read-only mount) stopped `cache rm` with a traceback."""
+    from fp8kit.registry import ensure
+    from fp8kit.registry import cache as cache_module
+
+    entry = ensure(str(llama_dir), "dynamic")
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(1, "Operation not permitted", str(Path(path) / "config.json"))
+
+    monkeypatch.setattr(cache_module.shutil, "rmtree", refuse)
+    result = CliRunner().invoke(main, ["cache", "rm", str(llama_dir)])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 1 and len(lines) == 1, result.output
+    assert lines[0].startswith("error: ") and "config.json: cannot delete (Operation not permitted)" in lines[0]
+    assert str(entry.parent.parent) in lines[0]

@@ -371,6 +371,8 @@ def list_entries() -> list[dict]:
             info = {}
         if not isinstance(info, dict):
             info = {}
+        # a marker edited by hand: a field that is not a string is shown as unknown, not printed as a traceback
+        info = {k: v for k, v in info.items() if isinstance(v, str)}
         rows.append({"name": info.get("name"), "scheme": info.get("scheme"), "format": info.get("format"),
                      "commit": entry.parent.name, "path": str(entry), "bytes": size, "ok": verify(entry)})
     return rows
@@ -425,6 +427,17 @@ def _refuse_busy(busy: list[Path], removed: list[Path]) -> None:
 ENTRY_LOCKS = "*-fp8kit*.lock"  # `{entry_name}.lock`, as cached_conversion() and entry_lock() name them
 
 
+def _delete(folder: Path) -> None:
+    """rmtree, its failure one line naming the file: a file that cannot be deleted (read-only mount, immutable
+    flag) stopped `cache rm` with a traceback after the marker was gone, so that later `cache rm`s no longer
+    recognised the folder as the cache's."""
+    try:
+        shutil.rmtree(folder)
+    except OSError as e:
+        raise Fp8kitError(f"{e.filename or folder}: cannot delete ({e.strerror or e}); make it deletable, then delete "
+                          f"{folder} by hand (the cache no longer uses it)") from e
+
+
 def _remove_unlocked(target: Path) -> bool:
     """Delete a model folder while holding every entry lock in it; False (nothing deleted) when a conversion holds
     one, as the pinned form's removal of unfinished folders does."""
@@ -437,7 +450,7 @@ def _remove_unlocked(target: Path) -> bool:
             except Timeout:
                 return False
             held.append(lock)
-        shutil.rmtree(target)
+        _delete(target)
         return True
     finally:
         for lock in held:
@@ -499,7 +512,7 @@ def _remove_entries(entries: list[Path]) -> tuple[list[Path], list[Path]]:
         try:
             for unfinished in _unfinished_of(entry):
                 shutil.rmtree(unfinished, ignore_errors=True)
-            shutil.rmtree(entry)
+            _delete(entry)
             lock_path.unlink(missing_ok=True)
         finally:
             lock.release()

@@ -129,11 +129,16 @@ def read_file(path: Path, source: str) -> list[Variant]:
     if not isinstance(entries, list):
         raise Fp8kitError(f"{path}: 'variant' must be written as [[variant]] tables")
     lines = _entry_lines(text)
-    variants = []
+    variants, seen = [], {}
     for i, raw in enumerate(entries):
         # [[variant]] headers give lines; an inline array (variant = [{...}, {...}]) has none to count
         where = f"{path}:{lines[i]}" if len(lines) == len(entries) else f"{path}: variant {i + 1}"
-        variants.append(_validate(raw, where, source))
+        variant = _validate(raw, where, source)
+        # two entries of one repo: resolve answered with the first, publish's checks read the last
+        first = seen.setdefault(variant.repo_id.lower(), where)
+        if first != where:
+            raise Fp8kitError(f"{where}: {variant.repo_id} is listed already ({first}); keep one entry for it")
+        variants.append(variant)
     return variants
 
 

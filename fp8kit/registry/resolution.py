@@ -67,10 +67,12 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
 
     scheme = resolve_scheme(scheme)
     variants = catalog.load() if variants is None else variants
+    if not Path(name).expanduser().is_dir():
+        # a pasted name's stray spaces go everywhere it is used: the folder test, matching, the command, the cache
+        name = name.strip()
     if Path(name).expanduser().is_dir():  # a local checkpoint is converted, whatever its path looks like
         variants = []
-    else:  # a pasted name's stray spaces go everywhere it is used: matching, the command, the cache folder
-        name = name.strip()
+    else:
         if not is_repo_id(name):
             raise Fp8kitError(f"{name}: no such folder, and not a Hub repo id of the form org/name[@revision]")
     base, _, revision = name.partition("@")
@@ -93,8 +95,9 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
     cached = cache is not None and verify(cache)
     if cached:  # fp8-convert would refuse an existing OUT: there is nothing to run
         command = None
-    elif commit:
-        command = shlex.join(["fp8-convert", name, str(cache), "--scheme", scheme])
+    elif commit:  # an entry that fails verify() (a file changed or missing) is replaced, as ensure() would
+        command = shlex.join(["fp8-convert", name, str(cache), "--scheme", scheme]
+                             + (["--overwrite"] if cache.exists() else []))
     else:  # OUT is named by a commit not known yet: ensure() fetches it, then converts into its folder and records it
         command = shlex.join(["python", "-c", f"from fp8kit.registry import ensure; "
                                               f"print(ensure({json.dumps(name)}, {json.dumps(scheme)}))"])
