@@ -430,7 +430,7 @@ def _plan_jobs(path, read_plan, check_format, src, base_model, schemes, repo_tem
 def _check_plan_names(path, jobs: list[dict]) -> None:
     """Every entry's base model and repo names, as publish() checks them, before the first entry is converted: a bad
     name in a later entry was found after earlier ones were uploaded."""
-    from fp8kit.hub.publish import _check_hub_name, repo_id_for
+    from fp8kit.hub.publish import check_hub_names, repo_id_for
     from fp8kit.registry.catalog import is_repo_name
 
     for i, job in enumerate(jobs):
@@ -440,11 +440,10 @@ def _check_plan_names(path, jobs: list[dict]) -> None:
             raise Fp8kitError(f"--plan {path}: [[model]] number {i + 1}: {field} {base!r} is not a Hub repo id "
                               f"ORG/NAME")
         if job["org"]:  # without one the token's user names the repos, checked when publish() asks for it
-            for scheme in job["schemes"]:
-                try:
-                    _check_hub_name(repo_id_for(job["repo_template"], job["org"], base, scheme))
-                except Fp8kitError as e:
-                    raise Fp8kitError(f"--plan {path}: [[model]] number {i + 1}: {e}") from e
+            try:
+                check_hub_names([repo_id_for(job["repo_template"], job["org"], base, s) for s in job["schemes"]])
+            except Fp8kitError as e:
+                raise Fp8kitError(f"--plan {path}: [[model]] number {i + 1}: {e}") from e
 
 
 def _refuse_shared_repos(path, jobs: list[dict]) -> None:

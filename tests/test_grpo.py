@@ -160,6 +160,16 @@ def test_each_loss_trains_a_step(tiny_fp8, loss_type, beta, dtype):
     assert changed
 
 
+def _seeded_lora_model(tiny_fp8, dtype):
+    """The same adapter every time, its B non-zero so that every LoRA parameter gets a gradient."""
+    torch.manual_seed(0)
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=dtype, device="cpu")
+    with torch.no_grad():
+        for i, m in enumerate(lora_modules(model).values()):
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=torch.Generator().manual_seed(i)) * 0.05)
+    return model, tok
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
 def test_gradient_accumulation_matches_one_batch(tiny_fp8, loss_type):
     """Uneven micro-batches (8 rows in 3, or one row each) of completions of uneven lengths (one empty) weigh rows
@@ -173,11 +183,7 @@ def test_gradient_accumulation_matches_one_batch(tiny_fp8, loss_type):
 
     norms, logged = [], []
     for accumulation in (1, 3, 8):
-        torch.manual_seed(0)  # the same lora_A initialisation in both runs
-        model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
-        with torch.no_grad():
-            for i, m in enumerate(lora_modules(model).values()):
-                m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=torch.Generator().manual_seed(i)) * 0.05)
+        model, tok = _seeded_lora_model(tiny_fp8, torch.float32)  # the same adapter in every run
 
         def length_reward(prompts, completions, **_):
             return [len(c) / 40 for c in completions]
@@ -215,15 +221,6 @@ def _fixed_rollout(lengths, seed=1):
             return [Completion(ids[i][:k], logps[i][:k]) for i, k in enumerate(lengths)]
 
     return Fixed
-
-
-def _seeded_lora_model(tiny_fp8, dtype):
-    torch.manual_seed(0)
-    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=dtype, device="cpu")
-    with torch.no_grad():
-        for i, m in enumerate(lora_modules(model).values()):
-            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=torch.Generator().manual_seed(i)) * 0.05)
-    return model, tok
 
 
 def _sum_reward(completion_ids, **_):

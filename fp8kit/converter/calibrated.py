@@ -159,8 +159,9 @@ def _checkpoint_names(model, weights: dict) -> dict[str, str]:
 def _write_ignore(folder: Path, names: dict[str, str], kept: list[str], quantized: set[str]) -> list[str]:
     """The config's ignore list made to say what was written: every Linear weight left in source precision, by
     its name in the checkpoint and, where transformers renames it on loading, by that name too (`names`, from
-    linear_checkpoint_names, as streaming conversions get them from fp8kit.loaded_names; llm-compressor lists only the loaded names of the modules it matched, and misses torch Linear subclasses such as
-    nn.MultiheadAttention's out_proj). Returns the checkpoint names."""
+    linear_checkpoint_names, as streaming conversions get them from fp8kit.loaded_names; llm-compressor lists only
+    the loaded names of the modules it matched, and misses torch Linear subclasses such as nn.MultiheadAttention's
+    out_proj). Returns the checkpoint names."""
     import json
 
     path = folder / "config.json"

@@ -319,8 +319,10 @@ def _check_moe_layout(src_path: Path, spec: Scheme, fmt: str, quantized: list[st
     """vLLM's compressed-tensors MoE layers take per-tensor weights only with static per-tensor activations
     (vLLM 0.25 CompressedTensorsW8A8Fp8MoEMethod asserts on per-tensor weights with per-token activations as it builds
     the model; evals/results/vllm_load_moe_schemes_h100.json): such a checkpoint would be written and never served."""
+    if spec.name != "tensor" or fmt != "compressed-tensors":
+        return
     experts = [m for m in quantized if expert_layer(m)]
-    if spec.name == "tensor" and fmt == "compressed-tensors" and experts:
+    if experts:
         raise Fp8kitError(f"{src_path}: --scheme tensor in the compressed-tensors format quantizes {len(experts)} "
                           f"expert weights (e.g. {experts[0]}) that vLLM's MoE layers cannot load with per-token "
                           f"activations; use --scheme dynamic or block, --scheme tensor --format fp8, or "

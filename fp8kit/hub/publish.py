@@ -119,14 +119,16 @@ def repo_id_for(template: str, org: str, base_model: str, scheme: str) -> str:
     return repo_id
 
 
-def _check_hub_name(repo_id: str) -> None:
+def check_hub_names(repo_ids: list[str]) -> None:
+    """Each repo id refused in one line where the Hub would refuse its name."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as e:
-        raise Fp8kitError(f"{repo_id}: the Hub refuses this repo name ({str(e).splitlines()[0]}); change --org, "
-                          f"--base-model or --repo-template") from e
+    for repo_id in repo_ids:
+        try:
+            validate_repo_id(repo_id)
+        except HFValidationError as e:
+            raise Fp8kitError(f"{repo_id}: the Hub refuses this repo name ({str(e).splitlines()[0]}); change --org, "
+                              f"--base-model or --repo-template") from e
 
 
 def _http_error(e: Exception, repo_id: str) -> Fp8kitError:
@@ -281,8 +283,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         raise Fp8kitError("--dry-run contacts no server, so it needs --org ORG to name the repos")
     repo_ids = [repo_id_for(repo_template, org, base_model, scheme) for scheme in schemes]
     try:
-        for repo_id in repo_ids:  # names the Hub refuses, refused before converting (and in a dry run)
-            _check_hub_name(repo_id)
+        check_hub_names(repo_ids)  # before converting (and in a dry run)
         seen: dict[str, str] = {}
         for scheme, repo_id in zip(schemes, repo_ids):  # a later upload would replace an earlier one under its name
             if seen.setdefault(repo_id.lower(), scheme) != scheme:

@@ -435,7 +435,7 @@ def _delete(folder: Path) -> None:
         shutil.rmtree(folder)
     except OSError as e:
         raise Fp8kitError(f"{e.filename or folder}: cannot delete ({e.strerror or e}); make it deletable, then delete "
-                          f"{folder} by hand (the cache no longer uses it)") from e
+                          f"{folder} by hand") from e
 
 
 def _remove_unlocked(target: Path) -> bool:
