@@ -145,10 +145,11 @@ def run(args):
     if args.model:
         checkpoint = Path(args.model)
     else:
-        src = pretrain(workdir / "toy-bf16", args.seed)
+        # named by the seed: the same --workdir with another --seed pre-trains (and converts) another model
+        src = pretrain(workdir / f"toy-bf16-seed{args.seed}", args.seed)
         checkpoint = src
         if not args.bf16:
-            checkpoint = workdir / "toy-fp8-dynamic"
+            checkpoint = workdir / f"toy-fp8-dynamic-seed{args.seed}"
             if not (checkpoint / "config.json").exists():
                 convert(src, checkpoint, scheme="dynamic")
     prepared_s = time.perf_counter() - t0

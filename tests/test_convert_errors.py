@@ -83,10 +83,12 @@ def test_corrupt_header(src, tmp_path):
 
 def test_index_names_missing_shard_and_missing_tensor(src, tmp_path):
     out = tmp_path / "out"
+    shard = "model-00001-of-00002.safetensors"
+    (src / "model.safetensors").rename(src / shard)  # model.safetensors would be read instead of the index
     index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "model-00002-of-00002.safetensors", "missing")
-    index["weight_map"] = {"model.norm.weight": "model.safetensors", "model.layers.9.mlp.up_proj.weight": "model.safetensors"}
+    index["weight_map"] = {"model.norm.weight": shard, "model.layers.9.mlp.up_proj.weight": shard}
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "model.layers.9.mlp.up_proj.weight")
 
@@ -173,6 +175,23 @@ def test_lm_head_block_needs_whole_blocks(tmp_path):
     assert code == 0, err
 
 
+@pytest.mark.parametrize("arch, tied", [("llama", False), ("gemma3", True)])
+def test_lm_head_where_config_json_leaves_tying_to_the_architecture(tmp_path, arch, tied):
+    """A config.json without tie_word_embeddings is untied for Llama (its config class's default) and tied for Gemma 3:
+    --lm-head was refused for both ("true or unset")."""
+    src = build_checkpoint(tmp_path / "src", arch, torch.bfloat16, seed=1, tie_word_embeddings=tied)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    if tied:
+        assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic", "--lm-head"), out, "--lm-head", "ties")
+    else:
+        code, err = run_cli(src, out, "--scheme", "dynamic", "--lm-head")
+        assert code == 0, err
+        assert "lm_head" not in json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+
+
 def cli_process(*args, preexec_fn=None):
     code = "from fp8kit.cli import fp8_convert; fp8_convert()"
     return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE,
@@ -189,6 +208,46 @@ def test_disk_full_while_writing(llama_dir, tmp_path):
     proc = cli_process(llama_dir, out, "--scheme", "dynamic", preexec_fn=limit)
     _, err = proc.communicate(timeout=120)
     assert_clean_failure(proc.returncode, err, out, "model.safetensors", "cannot write")
+
+
+def test_a_checkpoint_of_more_shards_than_free_descriptors_converts(tmp_path):
+    """Every source shard stayed open for the whole run: past the descriptor limit the conversion failed with a
+    misleading "cannot write (Too many open files)" and left its temporary folder. One shard per tensor here
+    (~80 shards), under a limit of 64 descriptors."""
+    from safetensors.torch import load_file
+
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1, num_hidden_layers=8)
+    tensors = load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    weight_map = {}
+    for i, (name, value) in enumerate(sorted(tensors.items())):
+        shard = f"model-{i + 1:05d}-of-{len(tensors):05d}.safetensors"
+        save_file({name: value}, src / shard, metadata={"format": "pt"})
+        weight_map[name] = shard
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert len(tensors) > 64 + 10
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+    out = tmp_path / "out"
+    proc = cli_process(src, out, "--scheme", "dynamic", preexec_fn=limit)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert (out / "config.json").is_file() and not leftovers(out)
+
+
+def test_model_safetensors_wins_over_a_stale_index_as_in_transformers(llama_dir, tmp_path):
+    """save_pretrained re-saving a sharded model as one file deletes the shards but leaves the index: transformers
+    loads model.safetensors first, and fp8-convert refused the folder ("names shard ..., which is missing")."""
+    src = tmp_path / "src"
+    shutil.copytree(llama_dir, src)
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    out = tmp_path / "out"
+    code, err = run_cli(src, out, "--scheme", "dynamic")
+    assert code == 0, err
+    assert (out / "model.safetensors").is_file()
 
 
 def stop_mid_conversion(tmp_path, sig):
@@ -310,6 +369,8 @@ def test_more_bad_options_and_outputs(llama_dir, tmp_path):
 
 def test_malformed_config_and_index(src, tmp_path):
     out = tmp_path / "out"
+    # an index is followed where there is no model.safetensors (which transformers, and fp8-convert, read first)
+    (src / "model.safetensors").rename(src / "model-00001-of-00001.safetensors")
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "quantization_config": "fp8"}))
     assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic"), out, "already quantized")

@@ -1,6 +1,7 @@
 """The FP8 GRPO runtime on CPU: the toy run learns, a resumed run replays the next step exactly, load_model's
 variants, the reference policy, float16, and bad input."""
 
+import dataclasses
 import json
 import math
 import os
@@ -374,13 +375,82 @@ def test_config_values_that_would_fail_after_a_rollout_are_refused(field, value)
 
 def test_learning_rate_schedules():
     c = GRPOConfig(steps=10, learning_rate=1.0, warmup_steps=2, lr_scheduler="linear")
-    assert [learning_rate_at(c, s) for s in (1, 2, 3, 6, 10)] == pytest.approx([0.5, 1.0, 1.0, 0.625, 0.125])
+    assert [learning_rate_at(c, s) for s in (1, 2, 3, 6, 10)] == pytest.approx([0.0, 0.5, 1.0, 0.625, 0.125])
     c = GRPOConfig(steps=10, learning_rate=1.0, warmup_steps=0, lr_scheduler="cosine")
     assert learning_rate_at(c, 1) == 1.0
     assert learning_rate_at(c, 6) == pytest.approx(0.5)  # halfway: 0.5 * (1 + cos(pi / 2))
     assert learning_rate_at(c, 10) == pytest.approx(0.5 * (1 + math.cos(0.9 * math.pi)))  # the last step still learns
     assert GRPOConfig(loss_type="dapo").effective_epsilon_high == 0.28
     assert GRPOConfig(loss_type="dr_grpo").effective_scale_rewards == "none"
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize("steps, warmup", [(6, 2), (10, 0), (4, 1), (5, 5)])
+def test_learning_rate_schedules_are_transformers_step_for_step(schedule, steps, warmup):
+    """TRL's GRPOTrainer takes its rates from transformers' get_scheduler, which counts steps from 0: a warmup's first
+    step has rate 0. fp8kit's was one step ahead (warmup_steps=1 warmed nothing up)."""
+    from transformers import get_scheduler
+
+    c = GRPOConfig(steps=steps, learning_rate=1.0, warmup_steps=warmup, lr_scheduler=schedule)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    name = {"constant": "constant_with_warmup"}.get(schedule, schedule)
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=steps)
+    theirs = []
+    for _ in range(steps):  # the rate each optimizer step uses: optimizer.step(), then scheduler.step()
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert [learning_rate_at(c, s) for s in range(1, steps + 1)] == pytest.approx(theirs, abs=1e-12)
+
+
+def test_numpy_numbers_are_numbers_in_the_config(tmp_path):
+    """np.int64(3) and np.float32(1e-4) were refused ("expected an integer >= 1"); they are stored as Python's, so
+    the checkpoint's trainer_state.json can hold them."""
+    import numpy as np
+
+    c = GRPOConfig(steps=np.int64(3), num_generations=np.int64(4), learning_rate=np.float32(1e-4),
+                   adam_betas=(np.float32(0.9), np.float64(0.99)), output_dir=str(tmp_path))
+    assert (c.steps, c.num_generations) == (3, 4) and type(c.steps) is int and type(c.learning_rate) is float
+    assert c.learning_rate == pytest.approx(1e-4) and all(type(b) is float for b in c.adam_betas)
+    json.dumps(dataclasses.asdict(c))
+    with pytest.raises(Fp8kitError, match="num_generations=1"):
+        GRPOConfig(num_generations=np.int64(1))
+
+
+def test_gradients_left_on_the_lora_parameters_do_not_reach_the_first_step(tiny_fp8):
+    """A backward of the caller's own, or a step that died midway (out of memory in its second micro-batch, Ctrl-C),
+    left .grad on the LoRA parameters; train() added it into its first step."""
+    config = GRPOConfig(steps=1, prompts_per_step=2, num_generations=2, max_completion_length=4,
+                        learning_rate=1e-3, seed=3)
+    logs = []
+    for dirty in (False, True):
+        model, tok = load_model(str(tiny_fp8), lora_rank=4, device="cpu", dtype=torch.float32)
+        if dirty:
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.full_like(p, 3.0)
+        logs.append(train(model, tok, ["the quick", "a lazy dog"], [_sum_reward], config)[0])
+    assert logs[1]["grad_norm"] == pytest.approx(logs[0]["grad_norm"], rel=1e-6)
+
+
+@pytest.mark.parametrize("edit", [{"step": None}, {"step": "x"}, {"optimizer_steps": []}],
+                         ids=["null-step", "text-step", "list-of-steps"])
+def test_a_hand_edited_trainer_state_is_refused_before_the_adapter_changes(tiny_fp8, tmp_path, edit):
+    """It raised a bare TypeError after load_adapter had replaced the model's adapter, or ([]) resumed without
+    AdamW's state."""
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2, seed=1,
+                        output_dir=str(tmp_path / "run"), save_steps=1, learning_rate=1e-2)
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, device="cpu", dtype=torch.float32)
+    train(model, tok, ["the"], [_sum_reward], config)
+    state_file = tmp_path / "run" / "checkpoint-1" / "trainer_state.json"
+    state_file.write_text(json.dumps({**json.loads(state_file.read_text()), **edit}))
+    fresh, tok = load_model(str(tiny_fp8), lora_rank=4, device="cpu", dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in fresh.named_parameters() if p.requires_grad}
+    with pytest.raises(Fp8kitError) as e:
+        train(fresh, tok, ["the"], [_sum_reward], dataclasses.replace(config, steps=2),
+              resume_from=tmp_path / "run" / "checkpoint-1")
+    assert "trainer_state.json: 'step' must be an integer" in str(e.value) and "\n" not in str(e.value)
+    assert all(torch.equal(p, before[n]) for n, p in fresh.named_parameters() if p.requires_grad)
 
 
 def test_bad_input(tiny_fp8, tmp_path):

@@ -240,6 +240,20 @@ def test_an_entry_of_the_old_pinned_layout_is_moved_not_converted_again(pinned_h
     assert cached_conversion(name, "dynamic") == entry
 
 
+def test_a_short_commit_hash_offline_is_the_cached_snapshot_and_its_conversion(pinned_hub, tmp_path):
+    """Offline, `resolve me/tiny@<short hash>` said the conversion was cached, but ensure() and fp8-convert failed
+    ("not in the local HF cache"): huggingface_hub looks a short hash up among branch names only."""
+    from fp8kit.cli import fp8_convert
+    from fp8kit.registry import ensure, resolve
+
+    entry = ensure(f"me/tiny@{COMMIT}", "dynamic")
+    short = f"me/tiny@{COMMIT[:7]}"
+    assert resolve(short, "dynamic").cached and ensure(short, "dynamic") == entry
+    result = CliRunner().invoke(fp8_convert, [short, str(tmp_path / "out"), "--scheme", "block"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "config.json").is_file()
+
+
 def test_cache_rm_of_a_pinned_name_removes_its_unfinished_conversion(pinned_hub):
     """A pinned conversion killed outright leaves a partial folder and a lock: `cache list` names the model (as
     `cache rm` takes it, also in --json) and `cache rm org/name@rev` removes it; a held lock (a conversion in

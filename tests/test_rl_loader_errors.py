@@ -176,6 +176,124 @@ def test_truncated_model_shard_is_named(fp8_dir, tmp_path, keep):
     _one_line(e, str(shard), "truncated", "re-download the checkpoint or convert it again")
 
 
+def _edited_copy(fp8_dir, bad, edit):
+    """A copy of the checkpoint at `bad` whose tensors went through `edit` (a dict -> dict function)."""
+    shutil.copytree(fp8_dir, bad)
+    tensors = load_file(bad / "model.safetensors")
+    save_file(edit(tensors), bad / "model.safetensors", metadata={"format": "pt"})
+    return bad
+
+
+O_PROJ = "model.layers.1.self_attn.o_proj"
+
+
+def test_an_fp8_weight_without_its_scale_is_refused_not_read_as_values(fp8_dir, tmp_path):
+    """It loaded as a plain Linear holding the raw FP8 codes (up to 448 where the weights are ~1e-2), logits off by
+    ~1, without a word."""
+    bad = _edited_copy(fp8_dir, tmp_path / "bad",
+                       lambda t: {k: v for k, v in t.items() if k != f"{O_PROJ}.weight_scale"})
+    for rank in (4, 0):
+        with pytest.raises(Fp8kitError) as e:
+            load_fp8_model(bad, dtype=torch.float32, lora_rank=rank)
+        _one_line(e, str(bad / "model.safetensors"), f"{O_PROJ}.weight is float8_e4m3fn with no weight scale",
+                  "convert it again")
+
+
+def test_a_shard_the_index_names_must_be_there(fp8_dir, tmp_path):
+    """A sharded checkpoint that lost the shard holding one scale: every *.safetensors present was read, the index
+    never, and the weight went in unscaled."""
+    bad = tmp_path / "bad"
+    shutil.copytree(fp8_dir, bad)
+    tensors = load_file(bad / "model.safetensors")
+    (bad / "model.safetensors").unlink()
+    scale = f"{O_PROJ}.weight_scale"
+    save_file({k: v for k, v in tensors.items() if k != scale}, bad / "model-00001-of-00002.safetensors")
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in tensors}
+    weight_map[scale] = "model-00002-of-00002.safetensors"
+    (bad / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(Fp8kitError) as e:
+        load_fp8_model(bad, dtype=torch.float32)
+    _one_line(e, "model.safetensors.index.json", "model-00002-of-00002.safetensors, which is missing")
+
+
+def test_files_beside_the_checkpoints_weights_are_not_read(fp8_dir, tmp_path):
+    """model.safetensors alone is the model, as transformers reads it: an adapter saved into the checkpoint's folder
+    (model.save_pretrained(path) writes adapter_model.safetensors) made the next load fail."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(fp8_dir, folder)
+    model = _model(folder)
+    model.save_pretrained(folder)
+    again = load_fp8_model(folder, dtype=torch.float32, lora_rank=4, lora_alpha=8)
+    load_adapter(again, folder)
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=IDS).logits, model(input_ids=IDS).logits, rtol=0, atol=0)
+
+
+def test_per_layer_rotary_tables_of_older_checkpoints_are_skipped(fp8_dir, tmp_path):
+    """Older transformers saved `self_attn.rotary_emb.inv_freq` per layer; transformers and fp8-convert take such a
+    checkpoint, and the loader refused it ("has no place in the model")."""
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64)
+    bad = _edited_copy(fp8_dir, tmp_path / "bad",
+                       lambda t: {**t, "model.layers.0.self_attn.rotary_emb.inv_freq": inv_freq})
+    with torch.no_grad():
+        torch.testing.assert_close(load_fp8_model(bad, dtype=torch.float32)(input_ids=IDS).logits,
+                                   load_fp8_model(fp8_dir, dtype=torch.float32)(input_ids=IDS).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tensor, value, needle", [
+    (f"{O_PROJ}.weight", lambda t: t[:128], "has shape [128, 256], but config.json gives the model [256, 256]"),
+    (f"{O_PROJ}.weight", lambda t: t.to(torch.bfloat16), "o_proj.weight is bfloat16 beside its weight_scale"),
+    (f"{O_PROJ}.weight_scale", lambda t: t[:100], "weight_scale has shape [100, 1]; dynamic FP8 of a 256x256 weight "
+                                                  "needs 256 values"),
+    ("model.layers.0.input_layernorm.weight", lambda t: t[:100], "input_layernorm.weight has shape [100]"),
+    ("model.embed_tokens.weight", lambda t: t[:300], "embed_tokens.weight has shape [300, 256]"),
+], ids=["weight-shape", "weight-dtype", "scale-shape", "norm-shape", "embedding-rows"])
+def test_a_tensor_that_does_not_fit_the_config_is_named_at_load(fp8_dir, tmp_path, tensor, value, needle):
+    """Each failed at the first forward with a torch error (or at load with a ValueError traceback)."""
+    bad = _edited_copy(fp8_dir, tmp_path / "bad", lambda t: {**t, tensor: value(t[tensor]).contiguous()})
+    with pytest.raises(Fp8kitError) as e:
+        load_fp8_model(bad, dtype=torch.float32)
+    _one_line(e, str(bad / "model.safetensors"), needle)
+
+
+def test_a_missing_or_unexpected_bias_is_named(fp8_dir, tmp_path):
+    """A bias the config gives a Linear but the checkpoint lacks was a KeyError; one the config does not give it was
+    dropped without a word."""
+    from fp8kit.models import build_checkpoint
+
+    qwen2 = convert(build_checkpoint(tmp_path / "qwen2", "qwen2", torch.bfloat16, seed=3), tmp_path / "q8",
+                    scheme="dynamic").out
+    bias = "model.layers.0.self_attn.q_proj.bias"
+    bad = _edited_copy(qwen2, tmp_path / "bad", lambda t: {k: v for k, v in t.items() if k != bias})
+    for targets in (None, ["o_proj"]):
+        with pytest.raises(Fp8kitError) as e:
+            load_fp8_model(bad, dtype=torch.float32, target_modules=targets)
+        _one_line(e, str(bad), f"lacks {bias}, which config.json gives the model")
+    extra = _edited_copy(fp8_dir, tmp_path / "extra", lambda t: {**t, bias: torch.full((256,), 5.0)})  # a Llama
+    with pytest.raises(Fp8kitError) as e:
+        load_fp8_model(extra, dtype=torch.float32)
+    _one_line(e, str(extra / "model.safetensors"), f"{bias} has no place in the model", "gives")
+
+
+def test_a_loaded_model_is_in_eval_mode_like_from_pretrained(fp8_dir):
+    """LoRA dropout was live in a plain forward after loading: two identical forwards differed."""
+    model = load_fp8_model(fp8_dir, dtype=torch.float32, lora_rank=4, lora_dropout=0.5)
+    assert not model.training
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.normal_(0, 0.5)
+        assert torch.equal(model(input_ids=IDS).logits, model(input_ids=IDS).logits)
+
+
+def test_block_scheme_on_the_cpu_with_the_torch_backend_is_one_line(tmp_path, llama_dir):
+    """backend='torch' on the CPU loaded a block model, then its first forward died in torch.cuda (AssertionError)."""
+    block = convert(llama_dir, tmp_path / "block", scheme="block").out
+    model = load_fp8_model(block, dtype=torch.float32, backend="torch")
+    with pytest.raises(Fp8kitError) as e:
+        model(input_ids=IDS)
+    _one_line(e, "'torch' and 'triton' backends run block FP8 GEMMs on CUDA GPUs only", "'reference'")
+
+
 def _adapter_files(directory):
     return sorted(p.name for p in directory.iterdir() if "adapter" in p.name)
 

@@ -223,3 +223,21 @@ def test_an_ignore_entry_of_llmcompressor_by_its_loaded_name_is_reported_once(tm
     assert reported == ["lm_head", "re:.*router$", "vision_tower.encoder.layers.0.mlp.fc1"]
     written = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["ignore"]
     assert sorted(written) == sorted(reported + ["model.vision_tower.encoder.layers.0.mlp.fc1"])
+
+
+def test_moe_experts_named_in_ignore_stay_in_source_precision(tmp_path):
+    """transformers 5 loads Qwen3-MoE's experts fused (no Linear to name) and llm-compressor splits them back into
+    per-expert Linears: the experts --ignore keeps were never named to it, so it quantized them and the conversion
+    failed after the whole calibration, advising --scheme tensor, which refuses this model."""
+    src = build_checkpoint(tmp_path / "src", "qwen3_moe", torch.bfloat16, seed=3)
+    add_tokenizer(src, SAMPLE + " ".join(map(str, range(500))))
+    out = tmp_path / "out"
+    report = convert(src, out, scheme="tensor-static", device="cpu", ignore=[r"layers\.0\.mlp\.experts"])
+    with safe_open(out / "model.safetensors", "pt") as f:
+        dtypes = {k[: -len(".weight")]: f.get_slice(k).get_dtype() for k in f.keys() if k.endswith(".weight")}
+    kept = sorted(m for m in dtypes if m.startswith("model.layers.0.mlp.experts."))
+    later = [m for m in dtypes if m.startswith("model.layers.1.mlp.experts.")]
+    assert kept and later and all(dtypes[m] == "BF16" for m in kept) and all(dtypes[m] == "F8_E4M3" for m in later)
+    assert set(kept) <= set(report.ignored) and not set(kept) & set(report.quantized)
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert set(kept) <= set(q["ignore"])

@@ -74,8 +74,12 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     # from the checkpoint's (Gemma 3's `vision_tower.encoder...` is `model.vision_tower.encoder...` in memory): every
     # Linear it must leave alone is named as it is loaded
     names = linear_checkpoint_names(model)
-    recipe = QuantizationModifier(targets="Linear", scheme="FP8", ignore=_leave_alone(names, set(sel.quantize)),
-                                  kv_cache_scheme=kv_scheme)
+    # transformers 5 loads MoE experts fused (Qwen3-MoE's 3-D Qwen3MoeExperts, no Linear to name), and llm-compressor
+    # splits them back into per-expert Linears under the checkpoint's names: the experts kept in source precision
+    # (--ignore) are named as the checkpoint names them
+    unloaded = sorted(set(sel.keep) - set(names.values()), key=natural_key)
+    recipe = QuantizationModifier(targets="Linear", scheme="FP8",
+                                  ignore=_leave_alone(names, set(sel.quantize)) + unloaded, kv_cache_scheme=kv_scheme)
     try:
         with torch.no_grad():
             oneshot(model=model, dataset=loader, processor=tokenizer, recipe=recipe,

@@ -129,7 +129,8 @@ def _check_source_dtype(info: TensorInfo) -> None:
 def _lm_head(tensors: dict[str, TensorInfo], scheme: Scheme, tied: bool) -> str:
     if tied:  # transformers re-ties a stored lm_head.weight to the embeddings, and vLLM skips it when tied
         raise Fp8kitError("--lm-head: config.json ties the output head to the embeddings (tie_word_embeddings is "
-                          "true or unset); an FP8 lm_head needs an untied one: leave --lm-head out")
+                          "true, or unset where the architecture ties by default); an FP8 lm_head needs an untied one: "
+                          "leave --lm-head out")
     info = tensors.get("lm_head.weight")
     if info is None:
         raise Fp8kitError("--lm-head: the checkpoint has no lm_head.weight (its lm_head is tied to embed_tokens, "

@@ -38,6 +38,8 @@ def resolve(src: str | Path) -> Path:
     from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
+    if constants.HF_HUB_OFFLINE:  # the cache knows a short commit hash only by its snapshot's folder
+        revision = snapshot_commit(repo_id, revision) or revision
     try:
         # Offline, a commit-hash revision must also be looked up in the cache only (huggingface_hub would
         # otherwise try to list the commit's files online).
@@ -56,6 +58,18 @@ def resolve(src: str | Path) -> Path:
         raise Fp8kitError(f"{text}: not a valid Hub repo id ({str(e).splitlines()[0]})") from e
     except (OSError, _network_error()) as e:
         raise Fp8kitError(f"{repo_id}: download failed ({e.__class__.__name__}); check the network or use a local copy") from e
+
+
+def snapshot_commit(repo_id: str, revision: str) -> str | None:
+    """The full commit of a short commit hash (7 to 39 hex digits) whose snapshot is in the HF cache, if exactly one
+    is: offline, huggingface_hub looks a revision up among its refs (branch names) or as a full hash only."""
+    from huggingface_hub import constants
+
+    snapshots = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    if not re.fullmatch(r"[0-9a-f]{7,39}", revision) or not snapshots.is_dir():
+        return None
+    found = [p.name for p in snapshots.iterdir() if p.name.startswith(revision)]
+    return found[0] if len(found) == 1 else None
 
 
 def _network_error() -> type[Exception]:
@@ -102,7 +116,11 @@ def read_weight_map(index: Path) -> dict[str, str]:
 
 
 def weight_files(src: Path) -> list[Path]:
+    """The files transformers loads: model.safetensors alone if it is there (save_pretrained re-saving a sharded
+    model as one file leaves the old index behind), else the index's shards, else every *.safetensors."""
     index = src / INDEX_NAME
+    if (src / "model.safetensors").is_file():  # a LoRA adapter's adapter_model.safetensors beside it is not the model's
+        return [src / "model.safetensors"]
     if index.exists():
         weight_map = read_weight_map(index)
         for name in sorted(set(weight_map.values())):
@@ -114,8 +132,6 @@ def weight_files(src: Path) -> list[Path]:
             if not f.is_file():
                 raise Fp8kitError(f"{index}: names shard {f.name}, which is missing; re-download the checkpoint")
         return files
-    if (src / "model.safetensors").is_file():  # unindexed: transformers reads this file alone (a LoRA adapter's
-        return [src / "model.safetensors"]      # adapter_model.safetensors beside it is not the model's)
     files = sorted(p for p in src.glob("*.safetensors") if p.is_file())
     if len(files) > 1:  # Mistral repos hold consolidated.safetensors beside the HF-format shards
         files = [p for p in files if not p.name.startswith("consolidated")] or files
@@ -138,7 +154,7 @@ def read_tensors(src: Path) -> dict[str, TensorInfo]:
                 raise Fp8kitError(f"{path}: tensor {name!r} also appears in {tensors[name].path.name}")
             tensors[name] = info
     index = src / INDEX_NAME
-    if index.exists():
+    if index.exists() and not (src / "model.safetensors").is_file():  # the index weight_files() followed
         for name, shard in read_weight_map(index).items():
             info = tensors.get(name)
             if info is None or info.path.name != Path(shard).name:

@@ -15,6 +15,7 @@ import re
 import sys
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -159,10 +160,18 @@ def read_source(src_path: Path) -> tuple[dict, dict[str, TensorInfo]]:
     return config, tensors
 
 
-def _tied(config: dict) -> bool:
-    """transformers ties the output head to the embeddings unless the (text) config says otherwise."""
+def _tied(config: dict, src: Path) -> bool:
+    """Whether transformers ties the output head to the embeddings: as the (text) config says, and where it says
+    nothing, as its config class's default does (False for Llama, Qwen and Mistral, True for Gemma 3)."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", True)))
+    if "tie_word_embeddings" in text or "tie_word_embeddings" in config:
+        return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings")))
+    from transformers import AutoConfig
+
+    try:
+        return bool(AutoConfig.from_pretrained(src).get_text_config().tie_word_embeddings)
+    except Exception:  # noqa: BLE001 - a model_type this transformers lacks: assumed tied, which refuses --lm-head
+        return True
 
 
 def check_all_finite(tensors: dict[str, TensorInfo]) -> None:
@@ -225,19 +234,31 @@ class _Writer:
 
 
 class _Inputs:
-    """Source files opened once each."""
+    """Source files opened as they are read, at most MAX_OPEN at once (the least recently read closed first): one
+    descriptor per shard for the whole run made a checkpoint of ~1000 shards (Linux's default limit, 1024; macOS's,
+    256) fail "Too many open files", reported as a write failure. Jobs run in the checkpoint's order, so a shard
+    is seldom opened twice."""
+
+    MAX_OPEN = 32
 
     def __init__(self):
-        self.fds: dict[Path, int] = {}
+        self.fds: OrderedDict[Path, int] = OrderedDict()
 
     def fd(self, path: Path) -> int:
-        if path not in self.fds:
+        if path in self.fds:
+            self.fds.move_to_end(path)
+            return self.fds[path]
+        if len(self.fds) >= self.MAX_OPEN:
+            os.close(self.fds.popitem(last=False)[1])
+        try:
             self.fds[path] = os.open(path, os.O_RDONLY)
+        except OSError as e:  # not an OSError: the caller's handler would call it a write failure
+            raise Fp8kitError(f"{path}: cannot open ({e.strerror}); check the file, or re-download it") from e
         return self.fds[path]
 
     def close(self):
-        for fd in self.fds.values():
-            os.close(fd)
+        while self.fds:
+            os.close(self.fds.popitem()[1])
 
 
 def _copy(job: Job, inputs: _Inputs, out_file: _Writer, base: int, tick) -> None:
@@ -377,7 +398,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     src_path = source.resolve(src).resolve()
     check_out(out, overwrite, src_path)
     config, tensors = read_source(src_path)
-    sel = select(tensors, spec, list(ignore), lm_head=lm_head, tied=_tied(config), src=src_path)
+    sel = select(tensors, spec, list(ignore), lm_head=lm_head, tied=lm_head and _tied(config, src_path), src=src_path)
     _check_moe_layout(src_path, spec, format, sel.quantize)
     jobs = _plan(tensors, set(sel.quantize), spec, format)
     shards = _shard(jobs, shard_bytes)

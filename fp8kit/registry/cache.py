@@ -83,11 +83,9 @@ def known_commit(name: str) -> str | None:
     repo_id, _, revision = name.partition("@")
     if re.fullmatch(r"[0-9a-f]{40}", revision):
         return revision
-    snapshots = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "snapshots"
-    if re.fullmatch(r"[0-9a-f]{7,39}", revision) and snapshots.is_dir():  # a short commit hash, if downloaded
-        found = [p.name for p in snapshots.iterdir() if p.name.startswith(revision)]
-        if len(found) == 1:
-            return found[0]
+    short = source.snapshot_commit(repo_id, revision)  # a short commit hash, if downloaded
+    if short:
+        return short
     ref = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "refs" / (revision or "main")
     try:
         return ref.read_text().strip() or None

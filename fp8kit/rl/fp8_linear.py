@@ -70,9 +70,16 @@ def _dequantize_activation(q: torch.Tensor, scale: torch.Tensor, scheme: str) ->
     return q.float() * scale
 
 
+BLOCK_ON_CPU = ("the 'torch' and 'triton' backends run block FP8 GEMMs on CUDA GPUs only; on the CPU leave the backend "
+                "unset (FP8KIT_BACKEND too): the 'reference' backend computes the same function")
+
+
 def cublas_block_scaling(device: torch.device) -> bool:
     """Whether F.scaled_mm's 1x128 x 128x128 block scaling runs on this GPU: cuBLAS has it on SM90 only
-    (torch's test_matmul_cuda.py expects every other architecture to fail it)."""
+    (torch's test_matmul_cuda.py expects every other architecture to fail it). Asked on the CPU (backend 'torch'
+    there): one line, not torch's "not compiled with CUDA" assertion at the first forward."""
+    if device.type != "cuda":
+        raise Fp8kitError(BLOCK_ON_CPU)
     return torch.cuda.get_device_capability(device)[0] == 9
 
 

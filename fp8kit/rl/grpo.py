@@ -84,6 +84,18 @@ class GRPOConfig:
             raise Fp8kitError(f"loss_type {self.loss_type!r}: expected one of {', '.join(LOSS_TYPES)}")
         if not isinstance(self.lr_scheduler, str) or self.lr_scheduler not in SCHEDULES:
             raise Fp8kitError(f"lr_scheduler {self.lr_scheduler!r}: expected one of {', '.join(SCHEDULES)}")
+        # numpy's integers and floats (a sweep's np.arange, a config read through pandas) count as numbers and are
+        # stored as Python's, which trainer_state.json can hold
+        for name in ("num_generations", "warmup_steps", "save_steps", "seed", "steps", "prompts_per_step",
+                     "gradient_accumulation_steps", "max_completion_length"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                setattr(self, name, int(value))
+        for name in ("temperature", "top_p", "importance_sampling_cap", "max_grad_norm", "learning_rate", "beta",
+                     "weight_decay", "epsilon", "epsilon_high"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (bool, int)):
+                setattr(self, name, float(value))
         if isinstance(self.num_generations, bool) or not isinstance(self.num_generations, int) \
                 or self.num_generations < 2:
             raise Fp8kitError(f"num_generations={self.num_generations!r}: expected an integer >= 2 (advantages are "
@@ -107,7 +119,7 @@ class GRPOConfig:
                 raise Fp8kitError(f"{name}={value!r}: expected a number {'>= 0' if zero_ok else '> 0'}")
         betas = self.adam_betas
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2
-                and all(not isinstance(b, bool) and isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+                and all(not isinstance(b, bool) and isinstance(b, numbers.Real) and 0 <= b < 1 for b in betas)):
             raise Fp8kitError(f"adam_betas={betas!r}: expected two numbers in [0, 1), e.g. (0.9, 0.99)")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise Fp8kitError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
@@ -129,7 +141,7 @@ class GRPOConfig:
         # loss type's default would look like the user's choice to dataclasses.replace, which calls __init__ again
         if isinstance(self.scale_rewards, bool):
             self.scale_rewards = "group" if self.scale_rewards else "none"
-        self.adam_betas = tuple(self.adam_betas)
+        self.adam_betas = tuple(float(b) for b in self.adam_betas)
 
     @property
     def effective_epsilon_high(self) -> float:
@@ -165,10 +177,11 @@ def check_output_dir(output_dir: str | os.PathLike) -> None:
 
 
 def learning_rate_at(config: GRPOConfig, step: int) -> float:
-    """Linear warmup, then constant, or linear/cosine decay toward zero after the last step (step is 1-based;
-    the last step still learns, as in transformers' schedules)."""
+    """Linear warmup, then constant, or linear/cosine decay toward zero after the last step, step for step as
+    transformers' get_scheduler (so TRL's GRPOTrainer) sets it: step is 1-based, and transformers counts from 0, so
+    a warmup's first step has rate 0 and the last step still learns."""
     if step <= config.warmup_steps:
-        return config.learning_rate * step / max(1, config.warmup_steps)
+        return config.learning_rate * (step - 1) / config.warmup_steps
     if config.lr_scheduler == "constant":
         return config.learning_rate
     progress = (step - 1 - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
@@ -351,6 +364,13 @@ def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
         raise Fp8kitError(f"{directory}: not a readable fp8kit GRPO checkpoint ({e}); pass a checkpoint-<step> "
                           f"folder written by train()") from e
+    steps = state["optimizer_steps"]
+    # checked before the adapter is loaded: an edited file otherwise failed (or resumed without AdamW's state) after
+    # it had replaced the model's adapter
+    if isinstance(state["step"], bool) or not isinstance(state["step"], int) or state["step"] < 0 \
+            or not isinstance(steps, dict) or not all(isinstance(v, (int, float)) for v in steps.values()):
+        raise Fp8kitError(f"{directory / STATE_FILE}: 'step' must be an integer >= 0 and 'optimizer_steps' an object "
+                          f"of step counts; pass a checkpoint-<step> folder written by train()")
     load_adapter(model, directory)
     params = dict(model.named_parameters())
     for name, master in masters.items():
@@ -461,6 +481,8 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     if not trainable or not lora_modules(model):
         raise Fp8kitError("the model has no trainable LoRA parameters (load it with lora_rank > 0)")
     params = list(trainable.values())
+    for p in params:  # left by the caller's own backward, or by a step that failed midway: not this run's gradients
+        p.grad = None
     # AdamW steps float32 master weights: in fp16 its eps (1e-8) and small second moments underflow to zero,
     # and bf16 rounds away updates smaller than its 8-bit mantissa
     masters = {n: p if p.dtype == torch.float32 else p.detach().float().clone() for n, p in trainable.items()}

@@ -65,7 +65,12 @@ def _scheme(qc: dict, where: str = "config.json") -> str:
     return scheme_of(qc, where)
 
 
-def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, file: str) -> None:
+    """`value` in the place the model has for `name`, with the shape the config gives it (`file`: where it was read,
+    for the error line)."""
     module_name, _, leaf = name.rpartition(".")
     try:
         module = model.get_submodule(module_name)
@@ -73,19 +78,44 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         raise Fp8kitError(f"checkpoint tensor {name!r} has no place in the model (fused MoE experts and extra "
                           f"heads such as MTP layers are not supported by load_fp8_model yet)") from e
     if leaf in module._parameters:
+        _check_shape(name, value, module._parameters[leaf], file)
         module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
     elif leaf in module._buffers:
+        _check_shape(name, value, module._buffers[leaf], file)
         module._buffers[leaf] = value
     else:
         raise Fp8kitError(f"checkpoint tensor {name!r} has no place in the model")
 
 
+def _check_shape(name: str, value: torch.Tensor, expected: torch.Tensor | None, file: str) -> None:
+    """A tensor whose shape is not the config's failed at the first forward, as a torch error far from its cause."""
+    if expected is not None and value.shape != expected.shape:
+        raise Fp8kitError(f"{file}: {name} has shape {list(value.shape)}, but config.json gives the model "
+                          f"{list(expected.shape)}: the weights and config.json do not belong together; {RECONVERT}")
+
+
+def _source_precision(tensors: dict, name: str, expected: torch.Tensor | None, where: str) -> torch.Tensor:
+    """A tensor stored in source precision, checked: an FP8 weight whose scale is missing would otherwise be taken
+    for its values (FP8 codes up to 448 where the weights are ~1e-2), a model that loads and computes garbage."""
+    file = _file_of(tensors[name], where)
+    value = tensors[name]()
+    if value.dtype in FP8_DTYPES:
+        raise Fp8kitError(f"{file}: {name} is {str(value.dtype).removeprefix('torch.')} with no weight scale beside "
+                          f"it, so its values cannot be recovered; {RECONVERT}")
+    _check_shape(name, value, expected, file)
+    return value
+
+
 def checkpoint_tensors(path: Path, device: torch.device) -> dict[str, Callable[[], torch.Tensor]]:
-    """Every tensor of the checkpoint's safetensors files, read only when asked for (straight to `device`)."""
+    """Every tensor of the checkpoint's weight files, read only when asked for (straight to `device`): the files
+    transformers reads (the index's shards, else model.safetensors alone, else every *.safetensors but Mistral's
+    consolidated one), as fp8-convert reads them."""
     from safetensors import SafetensorError, safe_open
 
+    from fp8kit.converter.source import weight_files
+
     getters = {}
-    for f in sorted(path.glob("*.safetensors")):
+    for f in weight_files(path):
         try:
             with safe_open(f, "pt") as sf:
                 keys = list(sf.keys())
@@ -247,25 +277,41 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
             if not isinstance(module, nn.Linear):
                 raise Fp8kitError(f"{where}: {name} is quantized in the checkpoint but is a {type(module).__name__} "
                                   f"here")
-            bias = tensors[name + ".bias"]().to(dtype) if module.bias is not None else None
+            bias = None
+            if module.bias is not None:
+                if name + ".bias" not in tensors:
+                    raise Fp8kitError(f"{where}: lacks {name}.bias, which config.json gives the model; {RECONVERT}")
+                bias = _source_precision(tensors, name + ".bias", module.bias, where).to(dtype)
+            elif name + ".bias" in tensors:  # dropped silently, it changed every output of the layer
+                raise Fp8kitError(f"{_file_of(tensors[name + '.bias'], where)}: checkpoint tensor {name}.bias has no "
+                                  f"place in the model: config.json gives {name} no bias (attention_bias, mlp_bias); "
+                                  f"the weights and config.json do not belong together")
             rank = lora_rank if name.rsplit(".", 1)[-1] in targets else 0
             if name in quantized:
-                layer = FP8LoRALinear(tensors[name + ".weight"](), tensors[f"{name}.{scale_suffix}"](), scheme, bias,
-                                      rank=rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype, backend=backend)
+                weight, scale = tensors[name + ".weight"](), tensors[f"{name}.{scale_suffix}"]()
+                _check_fp8_layer(name, weight, scale, scheme, module, scale_suffix,
+                                 _file_of(tensors[name + ".weight"], where))
+                layer = FP8LoRALinear(weight, scale, scheme, bias, rank=rank, alpha=lora_alpha, dropout=lora_dropout,
+                                      dtype=dtype, backend=backend)
             else:
-                layer = LoRALinear(tensors[name + ".weight"]().to(dtype), bias, rank=rank, alpha=lora_alpha,
-                                   dropout=lora_dropout, dtype=dtype)
+                layer = LoRALinear(_source_precision(tensors, name + ".weight", module.weight, where).to(dtype), bias,
+                                   rank=rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype)
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, layer)
     seed_lora(model, seed)
     placed = {f"{m}.{leaf}" for m in lora_linears for leaf in ("weight", scale_suffix, "bias")}
-    for key, get in tensors.items():
+    for key in tensors:
         # static activation and KV-cache scales serve vLLM; the trainer quantizes activations dynamically and
-        # keeps its attention in the compute dtype
-        if key in placed or re.search(r"\.(input_scale|weight_zero_point|k_scale|v_scale)$", key):
+        # keeps its attention in the compute dtype. Rotary tables that older transformers saved per layer are
+        # recomputed from the config (transformers skips them too).
+        if key in placed or re.search(r"\.(input_scale|weight_zero_point|k_scale|v_scale)$|rotary_emb\.inv_freq$", key):
             continue
-        tensor = get()
-        _set_tensor(model, key, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+        module_name, _, leaf = key.rpartition(".")
+        module = _submodule(model, module_name)
+        expected = None if module is None else module._parameters.get(leaf, module._buffers.get(leaf))
+        tensor = _source_precision(tensors, key, expected, where)
+        _set_tensor(model, key, tensor.to(dtype) if tensor.is_floating_point() else tensor,
+                    _file_of(tensors[key], where))
     if getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False):
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
@@ -273,12 +319,32 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
         raise Fp8kitError(f"{where}: lacks {len(missing)} tensors the model needs, e.g. {missing[0]}")
     for n, p in model.named_parameters():
         p.requires_grad_(n.endswith(("lora_A", "lora_B")))
+    model.eval()  # as from_pretrained returns a model: LoRA dropout off until training turns it on
     model.fp8_scheme = scheme
     # transformers' own would write the frozen base (FP8 weights under a config without their quantization_config,
     # which loads as another model); peft's PeftModel.save_pretrained writes the adapter alone, and so does this
     model.save_pretrained = types.MethodType(_save_pretrained, model)
     model.push_to_hub = types.MethodType(_push_to_hub, model)
     return model
+
+
+def _check_fp8_layer(name: str, weight: torch.Tensor, scale: torch.Tensor, scheme: str, module: nn.Linear,
+                     scale_suffix: str, file: str) -> None:
+    """The FP8 weight and its scale as the scheme and the config's Linear shape want them, checked before the layer
+    is built (a wrong one failed at the first forward, as a torch error)."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise Fp8kitError(f"{file}: {name}.weight is {str(weight.dtype).removeprefix('torch.')} beside its "
+                          f"{scale_suffix}; FP8 weights are float8_e4m3fn; {RECONVERT}")
+    _check_shape(f"{name}.weight", weight, module.weight, file)
+    out_features, in_features = module.weight.shape
+    blocks = (-(-out_features // GROUP), -(-in_features // GROUP))
+    fits = {"dynamic": scale.numel() == out_features, "tensor": scale.numel() == 1,
+            "block": tuple(scale.shape) == blocks}[scheme]
+    if not fits:
+        want = {"dynamic": f"{out_features} values (one per output channel)", "tensor": "one value",
+                "block": f"shape {list(blocks)} (one per 128x128 block)"}[scheme]
+        raise Fp8kitError(f"{file}: {name}.{scale_suffix} has shape {list(scale.shape)}; {scheme} FP8 of a "
+                          f"{out_features}x{in_features} weight needs {want}; {RECONVERT}")
 
 
 def _model_for(config, dtype: torch.dtype, where: str) -> nn.Module:
