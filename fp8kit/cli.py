@@ -188,7 +188,8 @@ def main():
 
 
 @main.command(interrupted="its temporary files were removed")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1),
+              help="Seeds the random weights (torch.manual_seed's range).")
 def demo(seed):
     """Build a tiny random Llama, convert it with dynamic, block and tensor, and block in the fp8 format, load each
     back, print a table."""
@@ -340,7 +341,7 @@ def publish(src, base_model, schemes, fmt, repo_template, org, private, create_p
         check_max_kl(max_kl)
         if plan_path:
             jobs = _plan_jobs(Path(plan_path), read_plan, check_format, src, base_model, schemes, repo_template, org,
-                              max_kl, fmt)
+                              max_kl, fmt, dry_run)
         elif src and schemes:
             check_format(fmt, schemes)
             jobs = [dict(src=src, schemes=list(dict.fromkeys(schemes)), base_model=base_model,
@@ -373,7 +374,7 @@ def publish(src, base_model, schemes, fmt, repo_template, org, private, create_p
         _fail(str(e) or ("interrupted; nothing partial was left" if results else
                          "interrupted before any conversion; nothing was converted, staged or uploaded"), 130)
     if as_json:
-        click.echo(json.dumps([r.to_dict() for r in results], indent=2))
+        click.echo(json.dumps([r.to_dict() for r in results], indent=2, allow_nan=False))
     else:
         for r in results:
             size = sum(r.files.values()) / 1e9
@@ -390,10 +391,12 @@ def publish(src, base_model, schemes, fmt, repo_template, org, private, create_p
         sys.exit(1)
 
 
-def _plan_jobs(path, read_plan, check_format, src, base_model, schemes, repo_template, org, max_kl, fmt) -> list[dict]:
+def _plan_jobs(path, read_plan, check_format, src, base_model, schemes, repo_template, org, max_kl, fmt,
+               dry_run) -> list[dict]:
     """The plan's jobs. Its [[model]] tables give src, base_model and schemes, so SRC, --base-model and --scheme are
     refused beside it; --org, --max-kl, --repo-template and --format are its defaults, refused where its top level
-    sets them."""
+    sets them. An entry without an org publishes under the token's user, looked up here (not in a dry run, which
+    needs an org): its repos then compare with an entry that names that user as its org."""
     from click.core import ParameterSource
 
     per_run = [name for name, given in (("SRC", src), ("--base-model", base_model), ("--scheme", schemes)) if given]
@@ -423,6 +426,13 @@ def _plan_jobs(path, read_plan, check_format, src, base_model, schemes, repo_tem
                      f"{path}: top-level format (for [[model]] number {i + 1})" if "format" in plan else
                      f"--format (for {path}'s [[model]] number {i + 1})")
     _check_plan_names(path, jobs)
+    if not dry_run and any(not job["org"] for job in jobs):
+        from fp8kit.hub.publish import token_user
+
+        user = token_user()
+        for job in jobs:
+            job["org"] = job["org"] or user
+        _check_plan_names(path, jobs)  # the repo names the user gives them
     _refuse_shared_repos(path, jobs)
     return jobs
 

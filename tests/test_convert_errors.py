@@ -192,6 +192,24 @@ def test_lm_head_where_config_json_leaves_tying_to_the_architecture(tmp_path, ar
         assert "lm_head" not in json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
 
 
+def test_lm_head_never_runs_the_checkpoints_own_config_code(tmp_path):
+    """Reading the architecture's tying default went through AutoConfig without trust_remote_code=False: for a
+    checkpoint with an auto_map, transformers asked on the terminal, and a "y" ran its configuration_*.py."""
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    config.update(model_type="mycustomllama", auto_map={"AutoConfig": "configuration_my.MyConfig"})
+    (src / "config.json").write_text(json.dumps(config))
+    ran = tmp_path / "REMOTE_CODE_RAN"
+    (src / "configuration_my.py").write_text(f"open({str(ran)!r}, 'w').write('yes')\n"
+                                             "from transformers import LlamaConfig\n"
+                                             "class MyConfig(LlamaConfig):\n    model_type = 'mycustomllama'\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(fp8_convert, [str(src), str(out), "--scheme", "dynamic", "--lm-head"], input="y\n")
+    assert result.exit_code == 1 and "--lm-head" in result.stderr, result.output
+    assert not ran.exists() and "custom code" not in result.output
+
+
 def cli_process(*args, preexec_fn=None):
     code = "from fp8kit.cli import fp8_convert; fp8_convert()"
     return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE,

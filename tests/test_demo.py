@@ -35,3 +35,9 @@ def test_logit_drift_against_a_float64_reference_and_masked_tokens():
     assert abs(drift["kl"] - expected) <= 1e-12 and drift["top1"] == (p.argmax(-1) == q.argmax(-1)).double().mean()
     got[0, 0, 0] = float("-inf")  # the FP8 model rules out a token the source allows: infinite, not NaN
     assert logit_drift(ref, got)["kl"] == float("inf")
+
+
+def test_a_seed_out_of_torchs_range_is_a_usage_error():
+    """It was a traceback (torch.manual_seed: Overflow when unpacking long long)."""
+    result = CliRunner().invoke(main, ["demo", "--seed", str(2**64)])
+    assert result.exit_code == 2 and "--seed" in result.output and "Traceback" not in result.output

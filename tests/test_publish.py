@@ -196,10 +196,33 @@ schemes = ["tensor", "block"]
     out = json.loads(proc.stdout)
     assert [r["status"] for r in out] == ["rejected", "failed", "failed", "failed"]
     assert "--max-kl" in out[0]["error"] and "missing" in out[1]["error"] and "not found" in out[2]["error"]
-    # failed rows name the repos they were to publish, not their SRC (with `{token user}` for the org where the SRC
-    # was refused before the token's user was looked up)
-    assert [r["repo_id"] for r in out[1:]] == ["{token user}/missing-FP8-Block", "tester/not-on-the-hub-FP8-Tensor",
+    # failed rows name the repos they were to publish, not their SRC (the token's user is their org)
+    assert [r["repo_id"] for r in out[1:]] == ["tester/missing-FP8-Block", "tester/not-on-the-hub-FP8-Tensor",
                                                "tester/not-on-the-hub-FP8-Block"]
+    assert not any("/commit/" in p for m, p in hub.requests)
+
+
+def test_plan_entries_sharing_a_repo_through_the_token_user_are_refused(tmp_path, hub, src):
+    """An entry without org publishes under the token's user; another naming that user as its org was compared with
+    the placeholder "{token user}", so both uploaded into one repo, the second replacing the first's weights."""
+    finetune = tmp_path / "finetune"
+    shutil.copytree(src, finetune)
+    plan = tmp_path / "plan.toml"
+    plan.write_text(f'''
+[[model]]
+src = "{src}"
+base_model = "org/tiny"
+schemes = ["dynamic"]
+
+[[model]]
+src = "{finetune}"
+base_model = "org/tiny"
+org = "tester"
+schemes = ["dynamic"]
+''')
+    proc = publish(tmp_path, hub, "--plan", plan)
+    assert proc.returncode == 2, proc.stderr
+    assert "both publish dynamic to tester/tiny-FP8-Dynamic" in proc.stderr and len(proc.stderr.splitlines()) == 1
     assert not any("/commit/" in p for m, p in hub.requests)
 
 

@@ -530,3 +530,25 @@ def test_command_line_format_reaches_plan_entries_and_is_checked_before_any_work
     line = one_line_error(result)
     assert f"--format (for {plan}'s [[model]] number 2) fp8: has no per-channel layout" in line, line
     assert result.stdout == "" and not (tmp_path / "fp8cache").exists()
+
+
+def test_a_nan_metric_is_null_in_the_json_report_and_the_provenance_file(tmp_path, llama_dir):
+    """A source whose logits overflow validates with a NaN KL: `--json` and the staged fp8kit.json held `NaN`, which
+    is not JSON (strict parsers refuse it)."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "overflowing"
+    shutil.copytree(llama_dir, src)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].float().fill_(1e37).to(tensors["model.norm.weight"].dtype)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/nan", "--scheme", "dynamic",
+                                       "--dry-run", "--org", "me", "--staging", str(tmp_path / "staging"), "--json"])
+    assert result.exit_code == 0, result.output
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+
+    [row] = strict(result.stdout)
+    assert row["metrics"]["kl"] is None or row["metrics"]["ppl_ratio"] is None, row["metrics"]
+    strict((Path(row["staging"]) / "fp8kit.json").read_text())

@@ -477,3 +477,10 @@ def test_overlay_nested_too_deeply_is_one_line(tmp_path):
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and str(overlay) in lines[0] and "nested too deeply" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("name", ["org/na--me", "org/na..me", "org/name.git"])
+def test_resolve_refuses_a_name_the_hub_refuses(name):
+    """It printed a conversion plan (exit 0) for names huggingface_hub refuses; only ensure() failed, later."""
+    result = CliRunner().invoke(main, ["resolve", name, "--scheme", "dynamic"])
+    assert result.exit_code == 1 and "not a valid Hub repo id" in result.stderr, result.output

@@ -168,8 +168,12 @@ def _tied(config: dict, src: Path) -> bool:
         return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings")))
     from transformers import AutoConfig
 
+    from fp8kit.quality import quiet
+
     try:
-        return bool(AutoConfig.from_pretrained(src).get_text_config().tie_word_embeddings)
+        with quiet():  # never the checkpoint's own code (auto_map): transformers would ask on the terminal to run it
+            config = AutoConfig.from_pretrained(src, trust_remote_code=False)
+        return bool(config.get_text_config().tie_word_embeddings)
     except Exception:  # noqa: BLE001 - a model_type this transformers lacks: assumed tied, which refuses --lm-head
         return True
 

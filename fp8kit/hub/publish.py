@@ -26,6 +26,18 @@ PROVENANCE = "fp8kit.json"
 SCHEMES = ("dynamic", "block", "tensor")
 
 
+def json_safe(value):
+    """`value` with every non-finite float as None: json.dumps writes NaN and Infinity, which are not JSON (a strict
+    parser, or the Hub's, refuses them), and a source whose logits overflow validates with a NaN KL."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 @dataclass
 class PublishResult:
     repo_id: str
@@ -39,7 +51,8 @@ class PublishResult:
     kept_in_source_precision: list = field(default_factory=list)  # Linear layers the scheme could not take
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As JSON holds it: a NaN metric is null."""
+        return json_safe(asdict(self))
 
 
 class PublishInterrupted(KeyboardInterrupt):
@@ -131,6 +144,18 @@ def check_hub_names(repo_ids: list[str]) -> None:
                               f"--base-model or --repo-template") from e
 
 
+def token_user(api=None) -> str:
+    """The Hub user the token belongs to (the default org), or one line saying why there is none."""
+    from huggingface_hub import HfApi, get_token
+
+    if not get_token():
+        raise Fp8kitError("no Hugging Face token: run `hf auth login` or set HF_TOKEN (or use --dry-run)")
+    try:
+        return (api or HfApi()).whoami()["name"]
+    except Exception as e:  # noqa: BLE001
+        raise _http_error(e, "whoami") from e
+
+
 def _http_error(e: Exception, repo_id: str) -> Fp8kitError:
     from huggingface_hub.errors import OfflineModeIsEnabled
 
@@ -209,7 +234,8 @@ def _stage(conversion: Path, staging: Path, card, provenance: dict) -> dict:
                 except OSError:
                     shutil.copyfile(conversion / rel, tmp / rel)
         card.save(tmp / "README.md")
-        (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
+        (tmp / PROVENANCE).write_text(json.dumps(json_safe(provenance), indent=2, sort_keys=True, allow_nan=False)
+                                      + "\n")
         if staging.exists():
             os.replace(staging, old)
         try:
@@ -269,15 +295,10 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         _check_overlay(writable=not dry_run)
     api = None
     if not dry_run:  # the token is checked before any conversion work
-        from huggingface_hub import HfApi, get_token
+        from huggingface_hub import HfApi
 
-        if not get_token():
-            raise Fp8kitError("no Hugging Face token: run `hf auth login` or set HF_TOKEN (or use --dry-run)")
         api = HfApi()
-        try:
-            user = api.whoami()["name"]
-        except Exception as e:  # noqa: BLE001
-            raise _http_error(e, "whoami") from e
+        user = token_user(api)  # also where org is given: no token, or a rejected one, fails here
         org = org or user
     if not org:  # a dry run contacts no server, so the token's user is not looked up
         raise Fp8kitError("--dry-run contacts no server, so it needs --org ORG to name the repos")

@@ -75,6 +75,10 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
     else:
         if not is_repo_id(name):
             raise Fp8kitError(f"{name}: no such folder, and not a Hub repo id of the form org/name[@revision]")
+        repo_id = name.partition("@")[0]
+        if not catalog.is_repo_name(repo_id):  # '..', '--', '.git', over 96 characters: the Hub refuses them
+            raise Fp8kitError(f"{name}: not a valid Hub repo id (huggingface_hub refuses the name {repo_id!r}); check "
+                              f"its spelling")
     base, _, revision = name.partition("@")
     key = base.lower()
     for v in variants:
