@@ -364,9 +364,12 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     accuracy). `kv_cache="fp8"` adds calibrated FP8 KV-cache scales, which make vLLM serve with an FP8 KV cache
     (compressed-tensors; runs the whole model over `calibration` text, the shipped sample by default)."""
     start = time.perf_counter()
-    if lm_head and (format != "compressed-tensors" or scheme == "tensor-static"):
-        raise Fp8kitError("--lm-head is written in the compressed-tensors format with --scheme dynamic, block or "
-                          "tensor only (vLLM's fp8 format has no FP8 lm_head)")
+    if lm_head and scheme == "tensor-static":
+        raise Fp8kitError("--lm-head is for --scheme dynamic, block or tensor: tensor-static calibrates the "
+                          "decoder's Linear layers only and keeps lm_head in source precision; leave it out")
+    if lm_head and format != "compressed-tensors":
+        raise Fp8kitError("--lm-head is written in the compressed-tensors format only (vLLM's fp8 format has no FP8 "
+                          "lm_head); leave --format out")
     if kv_cache is not None and kv_cache not in KV_CACHE_DTYPES:
         raise Fp8kitError(f"--kv-cache {kv_cache!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
     if kv_cache and format != "compressed-tensors":
