@@ -484,3 +484,22 @@ def test_resolve_refuses_a_name_the_hub_refuses(name):
     """It printed a conversion plan (exit 0) for names huggingface_hub refuses; only ensure() failed, later."""
     result = CliRunner().invoke(main, ["resolve", name, "--scheme", "dynamic"])
     assert result.exit_code == 1 and "not a valid Hub repo id" in result.stderr, result.output
+
+
+@pytest.mark.parametrize("name", ["me/tiny", "me/tiny@main"])
+def test_the_printed_fp8_convert_command_is_pinned_to_the_commit_naming_its_folder(pinned_hub, monkeypatch, name):
+    """It named the branch: online, with main moved on since the HF cache recorded it, fp8-convert fetched the new
+    commit and refused to convert it into the old commit's folder. Pinned, it converts what resolve promised, and
+    ensure() uses that conversion (here, offline, main is still that commit)."""
+    import shlex
+
+    from fp8kit.cli import fp8_convert
+    from fp8kit.registry import ensure, resolve
+
+    answer = resolve(name, "dynamic")
+    argv = shlex.split(answer.convert_command)
+    assert argv[:2] == ["fp8-convert", f"me/tiny@{COMMIT}"] and argv[2] == answer.cache_dir, argv
+    result = CliRunner().invoke(fp8_convert, argv[1:])
+    assert result.exit_code == 0, result.output
+    monkeypatch.setattr("fp8kit.converter.convert", _no_conversion)
+    assert str(ensure(name, "dynamic")) == answer.cache_dir and resolve(name, "dynamic").cached

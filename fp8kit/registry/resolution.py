@@ -100,7 +100,10 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
     if cached:  # fp8-convert would refuse an existing OUT: there is nothing to run
         command = None
     elif commit:  # an entry that fails verify() (a file changed or missing) is replaced, as ensure() would
-        command = shlex.join(["fp8-convert", name, str(cache), "--scheme", scheme]
+        # a Hub name is pinned to the commit that names OUT: online, fp8-convert would fetch the branch's newest
+        # commit, and refuse to convert it into the folder of the one the HF cache last recorded
+        pinned = name if Path(name).expanduser().is_dir() else f"{base}@{commit}"
+        command = shlex.join(["fp8-convert", pinned, str(cache), "--scheme", scheme]
                              + (["--overwrite"] if cache.exists() else []))
     else:  # OUT is named by a commit not known yet: ensure() fetches it, then converts into its folder and records it
         command = shlex.join(["python", "-c", f"from fp8kit.registry import ensure; "

@@ -108,7 +108,7 @@ def _source_precision(tensors: dict, name: str, expected: torch.Tensor | None, w
 
 def checkpoint_tensors(path: Path, device: torch.device) -> dict[str, Callable[[], torch.Tensor]]:
     """Every tensor of the checkpoint's weight files, read only when asked for (straight to `device`): the files
-    transformers reads (the index's shards, else model.safetensors alone, else every *.safetensors but Mistral's
+    transformers reads (model.safetensors alone, else the index's shards, else every *.safetensors but Mistral's
     consolidated one), as fp8-convert reads them."""
     from safetensors import SafetensorError, safe_open
 
