@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from fp8kit.cli import fp8_convert
+from fp8kit.errors import Fp8kitError
 from fp8kit.models import build_checkpoint
 
 
@@ -253,6 +254,18 @@ def test_a_checkpoint_of_more_shards_than_free_descriptors_converts(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert (out / "config.json").is_file() and not leftovers(out)
+
+
+def test_a_source_shard_that_cannot_be_opened_is_named_as_such(tmp_path):
+    """An os.open failure on a source shard reached the shard writer's handler as an OSError and was reported as
+    "OUT: cannot write"."""
+    from fp8kit.converter.streaming import _Inputs
+
+    inputs = _Inputs()
+    with pytest.raises(Fp8kitError) as e:
+        inputs.fd(tmp_path / "model-00001-of-00002.safetensors")
+    assert str(e.value).startswith(f"{tmp_path / 'model-00001-of-00002.safetensors'}: cannot open")
+    inputs.close()
 
 
 def test_model_safetensors_wins_over_a_stale_index_as_in_transformers(llama_dir, tmp_path):

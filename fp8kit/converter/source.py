@@ -115,13 +115,17 @@ def read_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+def follows_index(src: Path) -> bool:
+    """Whether transformers loads the index's shards: there is an index and no model.safetensors, which it reads first
+    (save_pretrained re-saving a sharded model as one file leaves the old index behind)."""
+    return (src / INDEX_NAME).exists() and not (src / "model.safetensors").is_file()
+
+
 def weight_files(src: Path) -> list[Path]:
-    """The files transformers loads: model.safetensors alone if it is there (save_pretrained re-saving a sharded
-    model as one file leaves the old index behind), else the index's shards, else every *.safetensors."""
+    """The files transformers loads: the index's shards (follows_index), else model.safetensors alone, else every
+    *.safetensors."""
     index = src / INDEX_NAME
-    if (src / "model.safetensors").is_file():  # a LoRA adapter's adapter_model.safetensors beside it is not the model's
-        return [src / "model.safetensors"]
-    if index.exists():
+    if follows_index(src):
         weight_map = read_weight_map(index)
         for name in sorted(set(weight_map.values())):
             # the name, not where it links: the HF cache's snapshot files are symlinks into ../../blobs
@@ -132,6 +136,8 @@ def weight_files(src: Path) -> list[Path]:
             if not f.is_file():
                 raise Fp8kitError(f"{index}: names shard {f.name}, which is missing; re-download the checkpoint")
         return files
+    if (src / "model.safetensors").is_file():  # a LoRA adapter's adapter_model.safetensors beside it is not the model's
+        return [src / "model.safetensors"]
     files = sorted(p for p in src.glob("*.safetensors") if p.is_file())
     if len(files) > 1:  # Mistral repos hold consolidated.safetensors beside the HF-format shards
         files = [p for p in files if not p.name.startswith("consolidated")] or files
@@ -154,7 +160,7 @@ def read_tensors(src: Path) -> dict[str, TensorInfo]:
                 raise Fp8kitError(f"{path}: tensor {name!r} also appears in {tensors[name].path.name}")
             tensors[name] = info
     index = src / INDEX_NAME
-    if index.exists() and not (src / "model.safetensors").is_file():  # the index weight_files() followed
+    if follows_index(src):
         for name, shard in read_weight_map(index).items():
             info = tensors.get(name)
             if info is None or info.path.name != Path(shard).name:

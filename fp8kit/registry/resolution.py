@@ -70,7 +70,8 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
     if not Path(name).expanduser().is_dir():
         # a pasted name's stray spaces go everywhere it is used: the folder test, matching, the command, the cache
         name = name.strip()
-    if Path(name).expanduser().is_dir():  # a local checkpoint is converted, whatever its path looks like
+    local = Path(name).expanduser().is_dir()
+    if local:  # a local checkpoint is converted, whatever its path looks like
         variants = []
     else:
         if not is_repo_id(name):
@@ -102,7 +103,7 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
     elif commit:  # an entry that fails verify() (a file changed or missing) is replaced, as ensure() would
         # a Hub name is pinned to the commit that names OUT: online, fp8-convert would fetch the branch's newest
         # commit, and refuse to convert it into the folder of the one the HF cache last recorded
-        pinned = name if Path(name).expanduser().is_dir() else f"{base}@{commit}"
+        pinned = name if local else f"{base}@{commit}"
         command = shlex.join(["fp8-convert", pinned, str(cache), "--scheme", scheme]
                              + (["--overwrite"] if cache.exists() else []))
     else:  # OUT is named by a commit not known yet: ensure() fetches it, then converts into its folder and records it

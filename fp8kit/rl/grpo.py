@@ -33,6 +33,11 @@ SCHEDULES = ("constant", "linear", "cosine")
 SCALE_REWARDS = ("group", "batch", "none")
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
+# GRPOConfig's numeric fields, by the check each takes (num_generations and top_p have their own)
+COUNTS_FROM_ZERO = ("warmup_steps", "save_steps", "seed")
+COUNTS_FROM_ONE = ("steps", "prompts_per_step", "gradient_accumulation_steps", "max_completion_length")
+NUMBERS = ("temperature", "importance_sampling_cap", "max_grad_norm", "learning_rate", "beta", "weight_decay", "epsilon",
+         "epsilon_high")
 
 
 @dataclass
@@ -86,13 +91,11 @@ class GRPOConfig:
             raise Fp8kitError(f"lr_scheduler {self.lr_scheduler!r}: expected one of {', '.join(SCHEDULES)}")
         # numpy's integers and floats (a sweep's np.arange, a config read through pandas) count as numbers and are
         # stored as Python's, which trainer_state.json can hold
-        for name in ("num_generations", "warmup_steps", "save_steps", "seed", "steps", "prompts_per_step",
-                     "gradient_accumulation_steps", "max_completion_length"):
+        for name in ("num_generations", *COUNTS_FROM_ZERO, *COUNTS_FROM_ONE):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 setattr(self, name, int(value))
-        for name in ("temperature", "top_p", "importance_sampling_cap", "max_grad_norm", "learning_rate", "beta",
-                     "weight_decay", "epsilon", "epsilon_high"):
+        for name in ("top_p", *NUMBERS):
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and not isinstance(value, (bool, int)):
                 setattr(self, name, float(value))
@@ -100,17 +103,16 @@ class GRPOConfig:
                 or self.num_generations < 2:
             raise Fp8kitError(f"num_generations={self.num_generations!r}: expected an integer >= 2 (advantages are "
                               f"relative to the group)")
-        for name in ("warmup_steps", "save_steps", "seed"):
+        for name in COUNTS_FROM_ZERO:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise Fp8kitError(f"{name}={value!r}: expected an integer >= 0")
         # each of these otherwise fails only after a whole rollout, as a torch or transformers traceback
-        for name in ("steps", "prompts_per_step", "gradient_accumulation_steps", "max_completion_length"):
+        for name in COUNTS_FROM_ONE:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise Fp8kitError(f"{name}={value!r}: expected an integer >= 1")
-        for name in ("temperature", "importance_sampling_cap", "max_grad_norm", "learning_rate", "beta",
-                     "weight_decay", "epsilon", "epsilon_high"):
+        for name in NUMBERS:
             value, zero_ok = getattr(self, name), name in ("learning_rate", "beta", "weight_decay", "epsilon_high")
             if value is None and name == "epsilon_high":
                 continue

@@ -306,10 +306,7 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
         # recomputed from the config (transformers skips them too).
         if key in placed or re.search(r"\.(input_scale|weight_zero_point|k_scale|v_scale)$|rotary_emb\.inv_freq$", key):
             continue
-        module_name, _, leaf = key.rpartition(".")
-        module = _submodule(model, module_name)
-        expected = None if module is None else module._parameters.get(leaf, module._buffers.get(leaf))
-        tensor = _source_precision(tensors, key, expected, where)
+        tensor = _source_precision(tensors, key, None, where)  # its shape: checked where _set_tensor places it
         _set_tensor(model, key, tensor.to(dtype) if tensor.is_floating_point() else tensor,
                     _file_of(tensors[key], where))
     if getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False):
