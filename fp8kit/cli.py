@@ -313,6 +313,13 @@ def cache_rm(name, remove_all):
               help="Repeat for several variants.")
 @click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "fp8"]), default="compressed-tensors",
               show_default=True, help="fp8 is the DeepSeek-V3 / Qwen3-*-FP8 layout (block only).")
+@click.option("--kv-cache", type=click.Choice(["fp8"]), default=None,
+              help="As fp8-convert's: calibrated FP8 KV-cache scales, so vLLM serves an FP8 KV cache by default.")
+@click.option("--calibration", type=click.Path(dir_okay=False), default=None,
+              help="Calibration text for --kv-cache (default: a sample shipped with fp8kit).")
+@click.option("--lm-head", is_flag=True, help="As fp8-convert's: quantize lm_head too (untied lm_head only).")
+@click.option("--ignore", multiple=True, metavar="REGEX",
+              help="As fp8-convert's: keep modules whose name matches REGEX in source precision (repeatable).")
 @click.option("--repo-template", default="{org}/{name}-FP8-{Scheme}", show_default=True)
 @click.option("--org", default=None, help="Where to publish (default: the token's user).")
 @click.option("--private", is_flag=True)
@@ -325,10 +332,11 @@ def cache_rm(name, remove_all):
                                              "another base model); its files are replaced by the staged ones.")
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
               help="A TOML plan of many models x schemes; goes on past failures. Its [[model]] tables give SRC, "
-                   "--base-model and --scheme; --org, --max-kl, --repo-template and --format are its defaults.")
+                   "--base-model and --scheme; the other options that name a variant's content or repo are its "
+                   "defaults.")
 @click.option("--json", "as_json", is_flag=True)
-def publish(src, base_model, schemes, fmt, repo_template, org, private, create_pr, max_kl, dry_run, staging, force,
-            plan_path, as_json):
+def publish(src, base_model, schemes, fmt, kv_cache, calibration, lm_head, ignore, repo_template, org, private,
+            create_pr, max_kl, dry_run, staging, force, plan_path, as_json):
     """Convert SRC to FP8, validate it against the source, write its model card, upload and register it."""
     from pathlib import Path
 
@@ -339,13 +347,13 @@ def publish(src, base_model, schemes, fmt, repo_template, org, private, create_p
 
         check_repo_template(repo_template)  # once, not once per plan entry
         check_max_kl(max_kl)
+        defaults = dict(repo_template=repo_template, org=org, max_kl=max_kl, fmt=fmt, kv_cache=kv_cache,
+                        calibration=calibration, lm_head=lm_head, ignore=list(ignore))
         if plan_path:
-            jobs = _plan_jobs(Path(plan_path), read_plan, check_format, src, base_model, schemes, repo_template, org,
-                              max_kl, fmt, dry_run)
+            jobs = _plan_jobs(Path(plan_path), read_plan, src, base_model, schemes, defaults, dry_run)
         elif src and schemes:
             check_format(fmt, schemes)
-            jobs = [dict(src=src, schemes=list(dict.fromkeys(schemes)), base_model=base_model,
-                         repo_template=repo_template, org=org, max_kl=max_kl, fmt=fmt)]
+            jobs = [dict(src=src, schemes=list(dict.fromkeys(schemes)), base_model=base_model, **defaults)]
         else:
             _fail("give SRC and at least one --scheme, or --plan FILE", 2)
         for job in jobs:
@@ -391,13 +399,15 @@ def publish(src, base_model, schemes, fmt, repo_template, org, private, create_p
         sys.exit(1)
 
 
-def _plan_jobs(path, read_plan, check_format, src, base_model, schemes, repo_template, org, max_kl, fmt,
-               dry_run) -> list[dict]:
+def _plan_jobs(path, read_plan, src, base_model, schemes, defaults: dict, dry_run) -> list[dict]:
     """The plan's jobs. Its [[model]] tables give src, base_model and schemes, so SRC, --base-model and --scheme are
-    refused beside it; --org, --max-kl, --repo-template and --format are its defaults, refused where its top level
-    sets them. An entry without an org publishes under the token's user, looked up here (not in a dry run, which
-    needs an org): its repos then compare with an entry that names that user as its org."""
+    refused beside it; the other options in `defaults` (publish()'s arguments of those names) are its defaults,
+    refused where its top level sets them. An entry without an org publishes under the token's user, looked up here
+    (not in a dry run, which needs an org): its repos then compare with an entry that names that user as its org."""
     from click.core import ParameterSource
+
+    from fp8kit.converter.streaming import check_options
+    from fp8kit.hub.publish import check_format, conversion_options
 
     per_run = [name for name, given in (("SRC", src), ("--base-model", base_model), ("--scheme", schemes)) if given]
     if per_run:
@@ -405,26 +415,29 @@ def _plan_jobs(path, read_plan, check_format, src, base_model, schemes, repo_tem
               f"the command line, or drop --plan", 2)
     plan = read_plan(path)
     context = click.get_current_context()
-    template_given, format_given = (context.get_parameter_source(name) != ParameterSource.DEFAULT
-                                    for name in ("repo_template", "fmt"))
-    both = [(key, option) for key, option, given in (("org", "--org", org is not None),
-                                                      ("max_kl", "--max-kl", max_kl is not None),
-                                                      ("repo_template", "--repo-template", template_given),
-                                                      ("format", "--format", format_given))
-            if given and key in plan]
+    # the plan's key, publish()'s argument (the click parameter's name), the option
+    keys = [(key, key, "--" + key.replace("_", "-")) for key in ("org", "max_kl", "repo_template", "kv_cache",
+                                                                   "calibration", "lm_head", "ignore")]
+    keys.append(("format", "fmt", "--format"))
+    both = [(key, option) for key, param, option in keys
+            if key in plan and context.get_parameter_source(param) != ParameterSource.DEFAULT]
     if both:
         _fail(f"--plan {path}: its top level sets " + " and ".join(repr(k) for k, _ in both) + ", and the command line "
               f"gives " + " and ".join(o for _, o in both) + "; keep one (the command line's value is the default of a "
               f"plan that has none)", 2)
     jobs = [dict(src=m["src"], schemes=list(dict.fromkeys(m["schemes"])), base_model=m.get("base_model"),
-                 repo_template=m.get("repo_template", plan.get("repo_template", repo_template)),
-                 org=m.get("org", plan.get("org", org)), max_kl=m.get("max_kl", plan.get("max_kl", max_kl)),
-                 fmt=m.get("format", plan.get("format", fmt)))
+                 **{param: m.get(key, plan.get(key, defaults[param])) for key, param, _ in keys})
             for m in plan["model"]]
     for i, (m, job) in enumerate(zip(plan["model"], jobs)):  # each entry's format, named where it was set
         check_format(job["fmt"], job["schemes"], f"{path}: [[model]] number {i + 1}: format" if "format" in m else
                      f"{path}: top-level format (for [[model]] number {i + 1})" if "format" in plan else
                      f"--format (for {path}'s [[model]] number {i + 1})")
+        try:  # fp8-convert's options, and the calibration text read, before the first entry is converted
+            for scheme in job["schemes"]:
+                check_options(scheme, job["fmt"], job["ignore"], job["lm_head"], job["kv_cache"], job["calibration"])
+            conversion_options(job["kv_cache"], job["calibration"], job["lm_head"], job["ignore"])
+        except Fp8kitError as e:
+            raise Fp8kitError(f"{path}: [[model]] number {i + 1}: {e}") from e
     _check_plan_names(path, jobs)
     if not dry_run and any(not job["org"] for job in jobs):
         from fp8kit.hub.publish import token_user
@@ -462,17 +475,25 @@ def _refuse_shared_repos(path, jobs: list[dict]) -> None:
     weights under its name."""
     from fp8kit.hub.publish import repo_id_for
 
+    import shlex
+
+    from fp8kit.hub.publish import conversion_options, convert_args
+
     seen = {}
     for i, job in enumerate(jobs):
-        source = (job["src"], job["base_model"] or job["src"].partition("@")[0], job["fmt"])
+        # what the variants hold: the model, the format and fp8-convert's options (one model with and without an
+        # FP8 KV cache are two variants)
+        options = [job[k] for k in ("kv_cache", "calibration", "lm_head", "ignore")]
+        label = ", ".join([job["src"], job["fmt"]] + ([shlex.join(convert_args(*options))] if any(options) else []))
+        source = (job["src"], job["base_model"] or job["src"].partition("@")[0], job["fmt"],
+                  json.dumps(conversion_options(*options), sort_keys=True))
         for scheme in job["schemes"]:
             # an entry without org publishes under the token's user: one name for all such entries
             repo_id = repo_id_for(job["repo_template"], job["org"] or "{token user}", source[1], scheme)
-            j, other = seen.setdefault(repo_id.lower(), (i, source))
+            j, other, other_label = seen.setdefault(repo_id.lower(), (i, source, label))
             if other != source:
-                _fail(f"--plan {path}: [[model]] number {j + 1} ({other[0]}, {other[2]}) and number {i + 1} "
-                      f"({source[0]}, {source[2]}) both publish {scheme} to {repo_id}; give one of them another "
-                      f"repo_template or org", 2)
+                _fail(f"--plan {path}: [[model]] number {j + 1} ({other_label}) and number {i + 1} ({label}) both "
+                      f"publish {scheme} to {repo_id}; give one of them another repo_template or org", 2)
 
 
 if __name__ == "__main__":

@@ -34,15 +34,20 @@ def calibration_ids(tokenizer, text: str, seq_len: int) -> list[list[int]]:
     return [ids[i:i + seq_len] for i in range(0, len(ids), seq_len) if len(ids[i:i + seq_len]) >= 8]
 
 
+def read_calibration(calibration: str | Path | None) -> tuple[Path, str]:
+    """The calibration file (the shipped sample when None) and its text, or one line saying why it cannot be read."""
+    calibration = Path(calibration).expanduser() if calibration else DEFAULT_CALIBRATION
+    try:
+        return calibration, calibration.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise Fp8kitError(f"{calibration}: cannot read the calibration text ({e})") from e
+
+
 def calibration_samples(src_path: Path, calibration: str | Path | None, seq_len: int, why: str):
     """(tokenizer, token-id samples, calibration file) for `src_path`; `why` names the option in errors."""
     from transformers import AutoTokenizer
 
-    calibration = Path(calibration) if calibration else DEFAULT_CALIBRATION
-    try:
-        text = calibration.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise Fp8kitError(f"{calibration}: cannot read the calibration text ({e})") from e
+    calibration, text = read_calibration(calibration)
     try:
         tokenizer = AutoTokenizer.from_pretrained(src_path)
     except Exception as e:  # noqa: BLE001 - which error depends on the files present and on the packages installed

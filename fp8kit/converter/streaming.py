@@ -354,16 +354,10 @@ def _check_moe_layout(src_path: Path, spec: Scheme, fmt: str, quantized: list[st
                           f"--scheme tensor-static; nothing was written")
 
 
-def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynamic",
-            format: str = "compressed-tensors", ignore: list[str] | tuple[str, ...] = (), device: str = "auto",
-            max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False,
-            calibration: str | os.PathLike | None = None, lm_head: bool = False,
-            kv_cache: str | None = None) -> ConvertReport:
-    """Convert a BF16/FP16/FP32 safetensors checkpoint (directory or Hub id) into an FP8 checkpoint at OUT.
-    `lm_head=True` quantizes lm_head too (compressed-tensors; less weight memory in vLLM, at some cost in logit
-    accuracy). `kv_cache="fp8"` adds calibrated FP8 KV-cache scales, which make vLLM serve with an FP8 KV cache
-    (compressed-tensors; runs the whole model over `calibration` text, the shipped sample by default)."""
-    start = time.perf_counter()
+def check_options(scheme: str, format: str = "compressed-tensors", ignore=(), lm_head: bool = False,
+                  kv_cache: str | None = None, calibration: str | os.PathLike | None = None) -> None:
+    """convert()'s options, checked without the source: also by `fp8kit publish`, for every variant of every plan
+    entry before the first is converted."""
     if lm_head and scheme == "tensor-static":
         raise Fp8kitError("--lm-head is for --scheme dynamic, block or tensor: tensor-static calibrates the "
                           "decoder's Linear layers only and keeps lm_head in source precision; leave it out")
@@ -375,21 +369,15 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     if kv_cache and format != "compressed-tensors":
         raise Fp8kitError("--kv-cache fp8 is written in the compressed-tensors format only (vLLM turns on its FP8 "
                           "KV cache by itself only for compressed-tensors checkpoints)")
-    # options every scheme takes, checked before tensor-static goes its own way
     for pattern in ignore:
         try:
             re.compile(pattern[3:] if pattern.startswith("re:") else pattern)
         except re.error as e:
             raise Fp8kitError(f"--ignore {pattern!r}: not a regular expression ({e})") from e
-    shard_bytes = parse_size(max_shard_size)
-    dev = resolve_device(device)
     if scheme == "tensor-static":
         if format != "compressed-tensors":
             raise Fp8kitError("--scheme tensor-static is written in the compressed-tensors format only")
-        from fp8kit.converter.calibrated import convert_static
-
-        return convert_static(src, out, calibration, ignore, overwrite, kv_cache=kv_cache, device=device,
-                              max_shard_size=shard_bytes)
+        return
     if calibration is not None and not kv_cache:
         raise Fp8kitError("--calibration is for --scheme tensor-static or --kv-cache fp8; the other schemes need "
                           "no data")
@@ -400,6 +388,26 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     if format == "fp8" and scheme == "dynamic":
         raise Fp8kitError("--format fp8 has no per-channel layout; use --scheme block or tensor, or the "
                           "compressed-tensors format for dynamic")
+
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynamic",
+            format: str = "compressed-tensors", ignore: list[str] | tuple[str, ...] = (), device: str = "auto",
+            max_shard_size: str | int = "5GB", overwrite: bool = False, progress: bool = False,
+            calibration: str | os.PathLike | None = None, lm_head: bool = False,
+            kv_cache: str | None = None) -> ConvertReport:
+    """Convert a BF16/FP16/FP32 safetensors checkpoint (directory or Hub id) into an FP8 checkpoint at OUT.
+    `lm_head=True` quantizes lm_head too (compressed-tensors; less weight memory in vLLM, at some cost in logit
+    accuracy). `kv_cache="fp8"` adds calibrated FP8 KV-cache scales, which make vLLM serve with an FP8 KV cache
+    (compressed-tensors; runs the whole model over `calibration` text, the shipped sample by default)."""
+    start = time.perf_counter()
+    check_options(scheme, format, ignore, lm_head, kv_cache, calibration)
+    shard_bytes = parse_size(max_shard_size)
+    dev = resolve_device(device)
+    if scheme == "tensor-static":
+        from fp8kit.converter.calibrated import convert_static
+
+        return convert_static(src, out, calibration, ignore, overwrite, kv_cache=kv_cache, device=device,
+                              max_shard_size=shard_bytes)
     spec = SCHEMES[scheme]
     out = check_out(out, overwrite)
     src_path = source.resolve(src).resolve()

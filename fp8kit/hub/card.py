@@ -59,16 +59,37 @@ def kept_layers(conversion: Path) -> list[str]:
     return [name for name in listed if is_candidate(name) and f"{name}.weight" in weights]
 
 
-def _kept_text(kept: list[str], fmt: str) -> str:
+def _kept_text(kept: list[str], fmt: str, options: dict) -> str:
+    lm_head = options.get("lm_head")
+    text = (f"Embeddings, norms and MoE routers stay in the source precision; `lm_head` is FP8 too (less weight memory "
+            f"on large vocabularies, less accurate logits)." if lm_head else
+            "Embeddings, `lm_head`, norms and MoE routers stay in the source precision.")
     if not kept:
-        return ""
+        return text
     key = "ignore" if fmt == "compressed-tensors" else "modules_to_not_convert"
-    return (f" {len(kept)} more Linear layer{'s' if len(kept) > 1 else ''} could not take this scheme and stay in the "
-            f"source precision too (`quantization_config.{key}`), e.g. `{kept[0]}`.")
+    plural = "s" if len(kept) > 1 else ""
+    if options.get("ignore"):
+        patterns = ", ".join(f"`{p}`" for p in options["ignore"])
+        return (f"{text} {len(kept)} more Linear layer{plural} stay in the source precision too "
+                f"(`quantization_config.{key}`): those matching {patterns}, and any the scheme could not take, "
+                f"e.g. `{kept[0]}`.")
+    return (f"{text} {len(kept)} more Linear layer{plural} could not take this scheme and stay in the source "
+            f"precision too (`quantization_config.{key}`), e.g. `{kept[0]}`.")
+
+
+def _kv_cache_text(options: dict) -> str:
+    if not options.get("kv_cache"):
+        return ""
+    return (f"\n\nKV cache: FP8 scales for each layer's keys and values (`self_attn.k_scale`, `self_attn.v_scale`), "
+            f"calibrated on {options['calibration']['file']}, and a `kv_cache_scheme` in `config.json`: vLLM serves "
+            f"this model with an FP8 KV cache (half the bytes per cached token of a BF16 cache) unless "
+            f"`--kv-cache-dtype` is given (`--kv-cache-dtype bfloat16` keeps BF16). The validation below includes "
+            f"it: transformers quantizes the cached keys and values with these scales too.")
 
 
 def build_card(repo_id: str, base_model: str, scheme: str, fmt: str, metrics: dict, command: str, terms: dict,
-               kept: list[str] = ()):
+               kept: list[str] = (), options: dict | None = None):
+    """`options`: fp8-convert's options the variant was made with, as publish.conversion_options records them."""
     from huggingface_hub import ModelCard, ModelCardData
 
     from fp8kit import __version__
@@ -81,7 +102,7 @@ def build_card(repo_id: str, base_model: str, scheme: str, fmt: str, metrics: di
 
 FP8 weights of [{base_model}](https://huggingface.co/{base_model}), made with fp8kit {__version__}.
 
-{SCHEME_TEXT[scheme]} Format: {FORMAT_TEXT[fmt]}. Embeddings, `lm_head`, norms and MoE routers stay in the source precision.{_kept_text(list(kept), fmt)}
+{SCHEME_TEXT[scheme]} Format: {FORMAT_TEXT[fmt]}. {_kept_text(list(kept), fmt, options or {})}{_kv_cache_text(options or {})}
 
 ## Validation
 

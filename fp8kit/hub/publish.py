@@ -268,9 +268,14 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
             repo_template: str = "{org}/{name}-FP8-{Scheme}", org: str | None = None, private: bool = False,
             create_pr: bool = False, max_kl: float | None = None, dry_run: bool = False,
             staging: str | Path | None = None, force: bool = False, command: str | None = None,
-            fmt: str = "compressed-tensors") -> list[PublishResult]:
+            fmt: str = "compressed-tensors", kv_cache: str | None = None, calibration: str | Path | None = None,
+            lm_head: bool = False, ignore: list[str] | tuple[str, ...] = ()) -> list[PublishResult]:
+    """`kv_cache`, `calibration`, `lm_head` and `ignore` are fp8-convert's options: a variant made with any of them
+    is converted for this call (in the staging folder) instead of taken from the registry's cache, whose entries
+    are the plain conversions that `resolve` hands out."""
     from fp8kit import __version__
-    from fp8kit.converter import source
+    from fp8kit.converter import convert, source
+    from fp8kit.converter.streaming import check_options
     from fp8kit.hub.card import build_card, kept_layers, source_terms
     from fp8kit.hub.validate import validate
     from fp8kit.converter.output import sigterm_as_interrupt
@@ -289,6 +294,10 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         if scheme not in SCHEMES:
             raise Fp8kitError(f"--scheme {scheme!r}: expected dynamic, block or tensor")
     check_format(fmt, schemes)
+    ignore = list(ignore)
+    for scheme in schemes:
+        check_options(scheme, fmt, ignore, lm_head, kv_cache, calibration)
+    options = conversion_options(kv_cache, calibration, lm_head, ignore)  # reads the calibration text now
     check_repo_template(repo_template)
     check_max_kl(max_kl)
     if not create_pr:  # a broken or unwritable overlay found now, not after an upload (a dry run: see _check_overlay)
@@ -326,6 +335,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         return shlex.join(["fp8kit", "publish", str(src), "--base-model", base_model, "--scheme", scheme,
                            "--org", org, "--repo-template", repo_template]
                           + (["--format", fmt] if fmt != "compressed-tensors" else [])
+                          + convert_args(kv_cache, calibration, lm_head, ignore)
                           + (["--max-kl", repr(float(max_kl))] if max_kl is not None else []))
     # A staging folder of our own (no --staging) is removed when done, uploaded or not; a dry run keeps it only
     # when its report points there (something was staged and the run was not interrupted).
@@ -339,15 +349,22 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
             if not staging:
                 staging_root.mkdir(mode=0o700)  # as tempfile.mkdtemp makes it
             for scheme, repo_id in zip(schemes, repo_ids):
+                own = None  # this call's conversion, removed once staged
                 try:
                     step = "converting"
-                    conversion = cached_conversion(str(src_dir) if local else src, scheme, fmt)
+                    if options:
+                        own = staging_root / f".{repo_id.replace('/', '--')}.conversion.{secrets.token_hex(4)}"
+                        convert(src_dir, own, scheme=scheme, format=fmt, ignore=ignore, lm_head=lm_head,
+                                kv_cache=kv_cache, calibration=calibration)
+                        conversion = own
+                    else:
+                        conversion = cached_conversion(str(src_dir) if local else src, scheme, fmt)
                     step = "validating"
                     metrics = validate(src_dir, conversion)
                     kept = kept_layers(conversion)
-                    card = build_card(repo_id, base_model, scheme, fmt, metrics, made_by(scheme), terms, kept)
+                    card = build_card(repo_id, base_model, scheme, fmt, metrics, made_by(scheme), terms, kept, options)
                     provenance = {"tool": "fp8kit", "version": __version__, "base_model": base_model, "scheme": scheme,
-                                  "format": fmt, "validation": metrics}
+                                  "format": fmt, "validation": metrics, **options}
                     folder = staging_root / repo_id.replace("/", "--")
                     step = "staging"
                     files = _stage(conversion, folder, card, provenance)
@@ -366,6 +383,9 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
                 except Exception as e:  # noqa: BLE001 - e.g. transformers cannot load the model: one line, go on
                     first = (str(e).strip().splitlines() or [""])[0]
                     result = PublishResult(repo_id, scheme, "failed", error=f"{type(e).__name__}: {first}")
+                finally:
+                    if own is not None:  # the staged files are hard links (or copies) of its files
+                        shutil.rmtree(own, ignore_errors=True)
                 results.append(result)
                 step = "finishing"
         finished = True
@@ -377,6 +397,33 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
             for result in results:
                 result.staging = None  # removed: the report does not point at it
     return results
+
+
+def convert_args(kv_cache: str | None, calibration: str | Path | None, lm_head: bool, ignore: list[str]) -> list[str]:
+    """fp8-convert's options as its command line gives them; the calibration file by its name: the host's path means
+    nothing to a reader of the card (fp8kit.json has its sha256)."""
+    return ((["--kv-cache", kv_cache] if kv_cache else [])
+            + (["--calibration", Path(calibration).name] if calibration and kv_cache else [])
+            + (["--lm-head"] if lm_head else [])
+            + [arg for pattern in ignore for arg in ("--ignore", pattern)])
+
+
+def conversion_options(kv_cache: str | None, calibration: str | Path | None, lm_head: bool, ignore: list[str]) -> dict:
+    """fp8-convert's options a variant was made with, as fp8kit.json records them and the card describes them (empty
+    for a plain conversion): the calibration text by its file name and sha256."""
+    from fp8kit.converter.calibration import DEFAULT_CALIBRATION, read_calibration
+
+    options = {}
+    if kv_cache:
+        path, text = read_calibration(calibration)
+        options["kv_cache"] = kv_cache
+        options["calibration"] = {"file": f"{path.name} (shipped with fp8kit)" if path == DEFAULT_CALIBRATION
+                                  else path.name, "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    if lm_head:
+        options["lm_head"] = True
+    if ignore:
+        options["ignore"] = list(ignore)
+    return options
 
 
 def _interrupted(step: str, repo_id: str, uploaded_before: bool) -> str:
@@ -493,13 +540,15 @@ def _register(repo_id: str, scheme: str, fmt: str, base_model: str) -> None:
     append_to_overlay(Variant(repo_id, family, scheme, fmt, (scheme,), (base_model,), "overlay"), overlay_path())
 
 
-PLAN_TOP = {"org", "max_kl", "repo_template", "format", "model"}
-PLAN_MODEL = {"src", "schemes", "base_model", "org", "max_kl", "repo_template", "format"}
+# fp8-convert's options, also as a plan's keys (top level and [[model]])
+CONVERT_OPTIONS = {"kv_cache", "calibration", "lm_head", "ignore"}
+PLAN_TOP = {"org", "max_kl", "repo_template", "format", "model"} | CONVERT_OPTIONS
+PLAN_MODEL = {"src", "schemes", "base_model", "org", "max_kl", "repo_template", "format"} | CONVERT_OPTIONS
 
 
 def _check_plan_field(where: str, key: str, value) -> None:
     """One plan field, top-level or in a [[model]] table: its type, and for schemes and repo_template what they hold."""
-    if key in ("src", "base_model", "org") and not (isinstance(value, str) and value.strip()):
+    if key in ("src", "base_model", "org", "calibration") and not (isinstance(value, str) and value.strip()):
         raise Fp8kitError(f"{where}: '{key}' must be a non-empty string (not {value!r})")
     if key == "max_kl":
         check_max_kl(value, f"{where}: 'max_kl'")
@@ -514,6 +563,13 @@ def _check_plan_field(where: str, key: str, value) -> None:
         check_repo_template(value, f"{where}: 'repo_template'")
     if key == "format" and value not in FORMATS:
         raise Fp8kitError(f"{where}: 'format' must be {' or '.join(repr(f) for f in FORMATS)} (not {value!r})")
+    if key == "kv_cache" and value != "fp8":
+        raise Fp8kitError(f"{where}: 'kv_cache' must be \"fp8\" (not {value!r}); leave it out for the source dtype")
+    if key == "lm_head" and not isinstance(value, bool):
+        raise Fp8kitError(f"{where}: 'lm_head' must be true or false (not {value!r})")
+    if key == "ignore" and not (isinstance(value, list) and all(isinstance(p, str) and p for p in value)):
+        raise Fp8kitError(f"{where}: 'ignore' must be a list of regular expressions, e.g. ignore = [\"mlp.down_proj\"] "
+                          f"(not {value!r})")
 
 
 def read_plan(path: Path) -> dict:
