@@ -390,8 +390,10 @@ def publish(src, base_model, schemes, fmt, kv_cache, calibration, lm_head, ignor
             click.echo(f"{r.status:<10} {r.repo_id:<50} {r.scheme:<8} KL {kl:<9} {size * 1000:9.1f} MB  "
                        f"{r.url or r.staging or ''}{'  ' + r.error if r.error else ''}")
             if r.kept_in_source_precision:
-                click.echo(f"    {len(r.kept_in_source_precision)} Linear layers kept in the source precision (the "
-                           f"scheme cannot take their shapes), e.g. {r.kept_in_source_precision[0]}")
+                why = "--ignore, or the scheme cannot take their shapes" if any(job["ignore"] for job in jobs) else \
+                    "the scheme cannot take their shapes"
+                click.echo(f"    {len(r.kept_in_source_precision)} Linear layers kept in the source precision "
+                           f"({why}), e.g. {r.kept_in_source_precision[0]}")
             if r.status == "dry-run":
                 for name, n in r.files.items():
                     click.echo(f"    {name:<40} {n:>14,d} bytes")
@@ -428,6 +430,10 @@ def _plan_jobs(path, read_plan, src, base_model, schemes, defaults: dict, dry_ru
     jobs = [dict(src=m["src"], schemes=list(dict.fromkeys(m["schemes"])), base_model=m.get("base_model"),
                  **{param: m.get(key, plan.get(key, defaults[param])) for key, param, _ in keys})
             for m in plan["model"]]
+    for m, job in zip(plan["model"], jobs):
+        job["kv_cache"] = job["kv_cache"] or None  # an entry's `kv_cache = false` turns a default off
+        if not job["kv_cache"] and "calibration" not in m:  # a default calibration is for the entries that calibrate
+            job["calibration"] = None
     for i, (m, job) in enumerate(zip(plan["model"], jobs)):  # each entry's format, named where it was set
         check_format(job["fmt"], job["schemes"], f"{path}: [[model]] number {i + 1}: format" if "format" in m else
                      f"{path}: top-level format (for [[model]] number {i + 1})" if "format" in plan else

@@ -195,3 +195,44 @@ def test_a_variant_that_cannot_take_an_option_fails_alone_and_leaves_nothing(tmp
     assert row["status"] == "failed" and "tied" in row["error"] and "--lm-head" in row["error"], row
     assert not (tmp_path / "staging").exists()  # convert() removes the folders it made
     assert not (tmp_path / "fp8cache").exists()
+
+
+def test_an_entry_turns_plan_defaults_off_and_a_default_calibration_reaches_only_calibrating_entries(
+        tmp_path, src, isolated):
+    """Top-level kv_cache and calibration: the fp8-format entry opts out with kv_cache = false (it cannot hold the
+    scales), and neither it nor an entry without kv_cache is refused for the inherited calibration."""
+    calib = tmp_path / "calib.txt"
+    calib.write_bytes(TEXT.replace(". ", ".\r\n").encode())  # CRLF: recorded as the file's own sha256
+    plan = tmp_path / "plan.toml"
+    plan.write_text(f'kv_cache = "fp8"\ncalibration = "{calib}"\n' + GOOD.format(src=src)
+                    + GOOD.format(src=src).replace("org/tiny", "org/blk").replace('"dynamic"', '"block"')
+                    + 'format = "fp8"\nkv_cache = false\n')
+    result = CliRunner().invoke(main, ["publish", "--plan", str(plan), "--dry-run", "--org", "me", "--staging",
+                                       str(tmp_path / "staging"), "--json"])
+    assert result.exit_code == 0, result.stderr
+    assert {r["status"] for r in json.loads(result.stdout)} == {"dry-run"}
+    first = json.loads((tmp_path / "staging" / "me--tiny-FP8-Dynamic" / "fp8kit.json").read_text())
+    second = json.loads((tmp_path / "staging" / "me--blk-FP8-Block" / "fp8kit.json").read_text())
+    assert first["calibration"]["sha256"] == hashlib.sha256(calib.read_bytes()).hexdigest()
+    assert "kv_cache" not in second and "calibration" not in second and second["format"] == "fp8"
+
+
+def test_an_ignore_pattern_that_matches_nothing_fails_the_variant(tmp_path, src, isolated):
+    """fp8-convert warns; publish would put the pattern on the card as if it kept layers. The --staging folder the
+    run's conversion created is not left behind."""
+    result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--scheme", "dynamic",
+                                       "--ignore", "down_prj", "--org", "me", "--dry-run", "--staging",
+                                       str(tmp_path / "staging"), "--json"])
+    assert result.exit_code == 1, result.output
+    (row,) = json.loads(result.stdout)
+    assert row["status"] == "failed" and "--ignore 'down_prj' matched no weight" in row["error"], row
+    assert not (tmp_path / "staging").exists()
+
+
+def test_text_report_says_why_layers_were_kept(tmp_path, src, isolated):
+    result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--scheme", "dynamic",
+                                       "--ignore", r"layers\.1\.mlp\.down_proj", "--org", "me", "--dry-run",
+                                       "--staging", str(tmp_path / "staging")])
+    assert result.exit_code == 0, result.output
+    assert "1 Linear layers kept in the source precision (--ignore, or the scheme cannot take their shapes), e.g. " \
+           "model.layers.1.mlp.down_proj" in result.stdout

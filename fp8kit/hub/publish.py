@@ -8,6 +8,7 @@ succeeded, so an interrupted run registers nothing and a re-run resumes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -341,6 +342,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     # when its report points there (something was staged and the run was not interrupted).
     # Named before it is made, and made inside the try: a signal as mkdir returns still finds it in the finally.
     staging_root = Path(staging) if staging else Path(tempfile.gettempdir()) / f"fp8kit-publish-{secrets.token_hex(8)}"
+    made_staging = staging and not staging_root.exists()  # a run's own conversion creates it: removed if left empty
     results = []
     finished = False
     step, repo_id = "starting", ""
@@ -354,9 +356,14 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
                     step = "converting"
                     if options:
                         own = staging_root / f".{repo_id.replace('/', '--')}.conversion.{secrets.token_hex(4)}"
-                        convert(src_dir, own, scheme=scheme, format=fmt, ignore=ignore, lm_head=lm_head,
-                                kv_cache=kv_cache, calibration=calibration)
+                        report = convert(src_dir, own, scheme=scheme, format=fmt, ignore=ignore, lm_head=lm_head,
+                                         kv_cache=kv_cache, calibration=calibration)
                         conversion = own
+                        # fp8-convert warns; the card and fp8kit.json would name the pattern as if it kept layers
+                        unmatched = next((w for w in report.warnings if w.startswith("--ignore ")
+                                          and " matched no weight" in w), None)
+                        if unmatched:
+                            raise Fp8kitError(f"{src}: {unmatched}; correct or drop it")
                     else:
                         conversion = cached_conversion(str(src_dir) if local else src, scheme, fmt)
                     step = "validating"
@@ -392,6 +399,9 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     except KeyboardInterrupt as e:
         raise PublishInterrupted(_interrupted(step, repo_id, any(r.status == "uploaded" for r in results))) from e
     finally:
+        if made_staging:
+            with contextlib.suppress(OSError):  # only while empty
+                staging_root.rmdir()
         if not staging and not (finished and dry_run and any(r.staging for r in results)):
             shutil.rmtree(staging_root, ignore_errors=True)
             for result in results:
@@ -415,10 +425,10 @@ def conversion_options(kv_cache: str | None, calibration: str | Path | None, lm_
 
     options = {}
     if kv_cache:
-        path, text = read_calibration(calibration)
+        path, _ = read_calibration(calibration)  # as the conversion reads it: one line where it cannot
         options["kv_cache"] = kv_cache
         options["calibration"] = {"file": f"{path.name} (shipped with fp8kit)" if path == DEFAULT_CALIBRATION
-                                  else path.name, "sha256": hashlib.sha256(text.encode()).hexdigest()}
+                                  else path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     if lm_head:
         options["lm_head"] = True
     if ignore:
@@ -563,8 +573,8 @@ def _check_plan_field(where: str, key: str, value) -> None:
         check_repo_template(value, f"{where}: 'repo_template'")
     if key == "format" and value not in FORMATS:
         raise Fp8kitError(f"{where}: 'format' must be {' or '.join(repr(f) for f in FORMATS)} (not {value!r})")
-    if key == "kv_cache" and value != "fp8":
-        raise Fp8kitError(f"{where}: 'kv_cache' must be \"fp8\" (not {value!r}); leave it out for the source dtype")
+    if key == "kv_cache" and value not in ("fp8", False):
+        raise Fp8kitError(f"{where}: 'kv_cache' must be \"fp8\", or false for the source dtype (not {value!r})")
     if key == "lm_head" and not isinstance(value, bool):
         raise Fp8kitError(f"{where}: 'lm_head' must be true or false (not {value!r})")
     if key == "ignore" and not (isinstance(value, list) and all(isinstance(p, str) and p for p in value)):
