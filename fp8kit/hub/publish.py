@@ -277,6 +277,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     from fp8kit import __version__
     from fp8kit.converter import convert, source
     from fp8kit.converter.streaming import check_options
+    from fp8kit.quality import quiet
     from fp8kit.hub.card import build_card, kept_layers, source_terms
     from fp8kit.hub.validate import validate
     from fp8kit.converter.output import sigterm_as_interrupt
@@ -356,8 +357,9 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
                     step = "converting"
                     if options:
                         own = staging_root / f".{repo_id.replace('/', '--')}.conversion.{secrets.token_hex(4)}"
-                        report = convert(src_dir, own, scheme=scheme, format=fmt, ignore=ignore, lm_head=lm_head,
-                                         kv_cache=kv_cache, calibration=calibration)
+                        with quiet():  # transformers' loading bar, while calibrating: as quiet as the cache's
+                            report = convert(src_dir, own, scheme=scheme, format=fmt, ignore=ignore,
+                                             lm_head=lm_head, kv_cache=kv_cache, calibration=calibration)
                         conversion = own
                         # fp8-convert warns; the card and fp8kit.json would name the pattern as if it kept layers
                         unmatched = next((w for w in report.warnings if w.startswith("--ignore ")
