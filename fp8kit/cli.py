@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import click
 
@@ -94,6 +95,10 @@ class _Interruptible:
             _fail(f"interrupted; {self.interrupted.format(**ctx.params)}", 130)
         except EOFError as e:  # end of input: an Abort here, before click's own handler prints a blank line for it
             raise click.exceptions.Abort() from e
+        except RuntimeError as e:  # pathlib's expanduser() of `~someone` for a user this machine does not know
+            if "home directory" not in str(e):
+                raise
+            _fail(f"a path starting with '~' cannot be expanded ({e}); spell the path out")
 
 
 class _Command(_Interruptible, click.Command):
@@ -137,7 +142,7 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
     # SIGTERM unwinds like Ctrl-C (set up by main(), see _Interruptible), so the temporary output is removed.
     try:
         from fp8kit.converter import convert
-        from fp8kit.registry.cache import entry_lock, record_conversion
+        from fp8kit.registry.cache import entry_lock, record_conversion, remove_unfinished
 
         # OUT inside the cache (the command `fp8kit resolve` prints): under the entry's lock, as ensure() converts,
         # so that a concurrent ensure() waits instead of removing this conversion's temporary folder as stale
@@ -149,6 +154,7 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
                 except TimeoutError:  # filelock.Timeout
                     click.echo(f"waiting for another conversion of {out} to finish", err=True)
                     lock.acquire()
+                remove_unfinished(Path(out).expanduser().absolute())  # left by a killed one, as ensure() removes them
         except OSError as e:
             raise Fp8kitError(f"{out}: cannot write there ({e.strerror or e}); nothing was converted") from e
         try:
@@ -294,6 +300,8 @@ def cache_rm(name, remove_all):
     """Remove the cached conversions of NAME (or --all)."""
     from fp8kit.registry.cache import remove
 
+    if name and not Path(name).expanduser().is_dir():  # a pasted name's stray spaces, as resolve strips them
+        name = name.strip()
     if bool(name) == remove_all:
         _fail("give a model NAME or --all", 2)
     try:
@@ -338,7 +346,6 @@ def cache_rm(name, remove_all):
 def publish(src, base_model, schemes, fmt, kv_cache, calibration, lm_head, ignore, repo_template, org, private,
             create_pr, max_kl, dry_run, staging, force, plan_path, as_json):
     """Convert SRC to FP8, validate it against the source, write its model card, upload and register it."""
-    from pathlib import Path
 
     results = []
     try:

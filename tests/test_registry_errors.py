@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -503,3 +504,144 @@ def test_the_printed_fp8_convert_command_is_pinned_to_the_commit_naming_its_fold
     assert result.exit_code == 0, result.output
     monkeypatch.setattr("fp8kit.converter.convert", _no_conversion)
     assert str(ensure(name, "dynamic")) == answer.cache_dir and resolve(name, "dynamic").cached
+
+
+@pytest.mark.parametrize("args", [["resolve", ""], ["resolve", "   "], ["convert", ""]])
+def test_an_empty_name_is_refused_not_taken_for_the_current_folder(tmp_path, llama_dir, monkeypatch, args):
+    """Path("") is the current folder: `resolve "$MODEL"` with MODEL unset, run inside a checkpoint, planned (and
+    ensure() made) a conversion of that folder."""
+    from fp8kit.cli import fp8_convert
+    from fp8kit.registry import ensure
+
+    monkeypatch.chdir(llama_dir)
+    if args[0] == "convert":
+        result = CliRunner().invoke(fp8_convert, ["", str(tmp_path / "out"), "--scheme", "dynamic"])
+        needle = "an empty SRC"
+    else:
+        result = CliRunner().invoke(main, args)
+        needle = "an empty model name"
+        with pytest.raises(Exception, match=needle):
+            ensure(args[1], "dynamic")
+    assert result.exit_code == 1 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "fp8cache").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_tilde_path_of_an_unknown_user_is_one_line(tmp_path):
+    import pwd
+
+    user = "fp8kit-no-such-user"
+    with pytest.raises(KeyError):
+        pwd.getpwnam(user)
+    for args in (["resolve", f"~{user}/model"], ["cache", "rm", f"~{user}/model"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+        assert result.stderr.startswith("error: a path starting with '~' cannot be expanded"), result.stderr
+
+
+def test_registering_a_listed_repo_again_keeps_the_overlay_readable(tmp_path):
+    """Two publish runs of one repo each found it unlisted before uploading; the second append listed it twice, and
+    every registry command then refused the overlay."""
+    from fp8kit.errors import Fp8kitError
+    from fp8kit.registry.catalog import Variant, append_to_overlay
+
+    variant = Variant("me/tiny-FP8-Dynamic", "tiny", "dynamic", "compressed-tensors", ("dynamic",), ("org/tiny",),
+                      "overlay")
+    append_to_overlay(variant)
+    text = (tmp_path / "overlay.toml").read_text()
+    # the same repo spelled in other case, as publish's own check (outside the lock) compares it
+    append_to_overlay(Variant("ME/tiny-FP8-Dynamic", *[getattr(variant, f) for f in ("family", "scheme", "format",
+                                                                                     "serves", "base", "source")]))
+    append_to_overlay(variant)  # the same entry: nothing to add
+    assert (tmp_path / "overlay.toml").read_text() == text
+    assert [v.repo_id for v in load() if v.source == "overlay"] == ["me/tiny-FP8-Dynamic"]
+    other = Variant("me/tiny-FP8-Dynamic", "tiny", "block", "compressed-tensors", ("block",), ("org/tiny",), "overlay")
+    with pytest.raises(Fp8kitError, match="lists me/tiny-FP8-Dynamic already, as dynamic"):
+        append_to_overlay(other)
+    assert [v.scheme for v in load() if v.source == "overlay"] == ["dynamic"]
+
+
+def test_a_killed_fp8_convert_into_the_cache_is_named_and_cleaned_up(tmp_path, llama_dir, monkeypatch):
+    """The command resolve prints, killed outright: its partial folder was listed without a NAME for `cache rm`, and
+    once a later run finished the entry, nothing ever removed the partial folder (ensure() returned early)."""
+    import shlex
+    import shutil
+
+    from fp8kit.cli import fp8_convert
+    from fp8kit.registry import ensure, resolve
+    from fp8kit.registry.cache import entry_lock
+
+    src = tmp_path / "tiny"
+    shutil.copytree(llama_dir, src)
+    answer = resolve(str(src), "dynamic")
+    argv = shlex.split(answer.convert_command)
+    entry = Path(answer.cache_dir)
+    entry_lock(answer.cache_dir, str(src))  # what fp8-convert does first, then killed while converting
+    stale = entry.parent / f".{entry.name}.partial-killed"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    [row] = json.loads(CliRunner().invoke(main, ["cache", "list", "--json"]).stdout)
+    assert (row["name"], row["status"]) == (str(src.resolve()), "unfinished")
+
+    result = CliRunner().invoke(fp8_convert, argv[1:])  # run again: removes what the killed run left
+    assert result.exit_code == 0, result.output
+    assert not stale.exists() and ensure(str(src), "dynamic") == entry
+
+    stale.mkdir()  # killed again beside the finished entry: ensure() tidies it up
+    assert ensure(str(src), "dynamic") == entry and not stale.exists()
+
+
+def test_cache_rm_of_a_killed_local_conversion_after_its_checkpoint_is_gone(tmp_path, llama_dir):
+    import shutil
+
+    from fp8kit.registry.cache import cached_conversion, entry_name, model_dir
+
+    local = tmp_path / "mine"
+    shutil.copytree(llama_dir, local)
+    entry = Path(cached_conversion(str(local), "dynamic"))
+    shutil.rmtree(entry)
+    (entry.parent / f".{entry_name('dynamic')}.partial-killed").mkdir()
+    folder = model_dir(str(local))
+    shutil.rmtree(local)
+    [row] = json.loads(CliRunner().invoke(main, ["cache", "list", "--json"]).stdout)
+    result = CliRunner().invoke(main, ["cache", "rm", row["name"]])
+    assert result.exit_code == 0, result.output
+    assert not folder.exists()
+
+
+@pytest.mark.parametrize("revision", ["main", COMMIT])
+def test_resolve_reports_an_entry_of_the_old_pinned_layout_as_cached(pinned_hub, monkeypatch, revision):
+    from fp8kit.registry import ensure, resolve
+    from fp8kit.registry.cache import cached_conversion
+
+    name = f"me/tiny@{revision}"
+    entry = cached_conversion(name, "dynamic")
+    legacy = pinned_hub / f"me--tiny@{revision}" / COMMIT / entry.name
+    legacy.parent.mkdir(parents=True)
+    entry.rename(legacy)
+    answer = resolve(name, "dynamic")
+    assert answer.cached and answer.convert_command is None and answer.cache_dir == str(legacy)
+    monkeypatch.setattr("fp8kit.converter.convert", _no_conversion)
+    assert ensure(name, "dynamic") == entry  # moved into the current layout, not converted again
+
+
+def test_cache_rm_of_a_folder_another_cache_rm_removed_meanwhile(tmp_path, monkeypatch):
+    """Two `cache rm --all` at once: one failed with "cannot delete (No such file or directory)"."""
+    import shutil
+
+    from fp8kit.registry import cache
+
+    folder = tmp_path / "fp8cache" / "org--m"
+    (folder / "c" / "e").mkdir(parents=True)
+    real = shutil.rmtree
+    calls = []
+
+    def racing(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 1:  # the other process deletes it first
+            real(path)
+            raise FileNotFoundError(2, "No such file or directory", str(Path(path) / "c"))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", racing)
+    cache._delete(folder)
+    assert not folder.exists()

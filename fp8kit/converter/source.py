@@ -25,6 +25,8 @@ def is_repo_id(text: str) -> bool:
 
 def resolve(src: str | Path) -> Path:
     """A local directory as is; `org/name[@revision]` through huggingface_hub (HF_HUB_OFFLINE=1 uses the cache)."""
+    if not str(src).strip():  # Path("") is the current folder
+        raise Fp8kitError("an empty SRC: give a checkpoint folder or a Hub repo id org/name[@revision]")
     path = Path(src).expanduser()
     if path.exists():
         if not path.is_dir():

@@ -153,6 +153,7 @@ def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -
     src = source.resolve(name)
     entry = model_dir(name) / _source_commit(src) / entry_name(scheme, fmt)
     if verify(entry):  # complete: used as it is, also from a cache this user cannot write
+        _tidy(entry)
         return entry
     # filelock (huggingface_hub's own dependency): flock on POSIX, msvcrt locking on Windows
     lock = FileLock(entry.parent / (entry.name + ".lock"))
@@ -198,6 +199,14 @@ def _record_local_name(name: str, model: Path) -> None:
     tmp = model / f".{SOURCE_NAME}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps({"name": str(local.resolve())}) + "\n")
     tmp.replace(model / SOURCE_NAME)
+
+
+def _source_name(model: Path) -> str | None:
+    try:
+        info = json.loads((model / SOURCE_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return info.get("name") if isinstance(info, dict) and isinstance(info.get("name"), str) else None
 
 
 def _write_marker(entry: Path, name: str, src: Path, scheme: str, fmt: str, seconds: float) -> None:
@@ -259,6 +268,7 @@ def entry_lock(out: str | Path, name: str) -> FileLock | None:
                           f"only folder ensure() looks in; convert into that folder or outside the cache; nothing was "
                           f"converted")
     out.parent.mkdir(parents=True, exist_ok=True)
+    _record_local_name(name, out.parent.parent)  # `cache list` names a killed conversion by it, `cache rm` takes it
     return FileLock(out.parent / (out.name + ".lock"))
 
 
@@ -292,6 +302,22 @@ def remove_unfinished(entry: Path) -> None:
     the entry's lock, so no live conversion writes there. Ctrl-C and SIGTERM clean up after themselves."""
     for folder in _unfinished_of(entry):
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _tidy(entry: Path) -> None:
+    """A complete entry's leftovers of a conversion killed outright (one into the cache by `fp8-convert`, which writes
+    no marker until it finishes): removed under the entry's lock when no conversion holds it, else left for later."""
+    if not _unfinished_of(entry):
+        return
+    lock = FileLock(entry.parent / (entry.name + ".lock"))
+    try:
+        lock.acquire(timeout=0)
+    except (Timeout, OSError):  # a conversion is running, or this user cannot write the cache
+        return
+    try:
+        remove_unfinished(entry)
+    finally:
+        lock.release()
 
 
 def _size(files) -> int:
@@ -402,6 +428,8 @@ def remove(name: str | None = None) -> list[Path]:
             _refuse_busy(busy, unfinished + removed)
             return unfinished + removed
         recorded = {Path(row["path"]).parent.parent for row in list_entries() if row["name"] == recorded_as}
+        # a local checkpoint whose only conversion was killed (no marker records it) is named by its source file
+        recorded |= {p for p in ours if _source_name(p) == recorded_as}
         targets = [p for p in ours if p == model_dir(name) or p in recorded]
     else:
         targets = ours
@@ -429,6 +457,16 @@ def _delete(folder: Path) -> None:
     """rmtree, its failure one line naming the file: a file that cannot be deleted (read-only mount, immutable
     flag) stopped `cache rm` with a traceback after the marker was gone, so that later `cache rm`s no longer
     recognised the folder as the cache's."""
+    for _ in range(3):
+        try:
+            shutil.rmtree(folder)
+            return
+        except FileNotFoundError:  # files removed meanwhile by another `cache rm`: done once the folder is gone
+            if not folder.exists():
+                return
+        except OSError as e:
+            raise Fp8kitError(f"{e.filename or folder}: cannot delete ({e.strerror or e}); make it deletable, then "
+                              f"delete {folder} by hand") from e
     try:
         shutil.rmtree(folder)
     except OSError as e:

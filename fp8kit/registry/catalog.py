@@ -110,7 +110,7 @@ def _validate(raw: dict, where: str, source: str) -> Variant:
 
 def read_file(path: Path, source: str) -> list[Variant]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")  # not the locale's: TOML is UTF-8
     except OSError as e:
         raise Fp8kitError(f"{path}: cannot read ({e.strerror})") from e
     except UnicodeDecodeError as e:
@@ -174,6 +174,16 @@ def _with_entry(text: str, fields: dict, path: Path) -> str:
     is tried and parsed back: a text is kept only when it reads as the old entries and this one, so a bracket in a
     string or a comment is never taken for it and a file is never written that every registry command would refuse."""
     old = tomllib.loads(text)
+    # checked here, under the overlay's lock: two publish runs of one repo each saw it unlisted, and the file they left
+    # (the repo listed twice) was refused by every registry command
+    listed = next((e for e in old.get("variant", []) if isinstance(e, dict)
+                   and str(e.get("repo_id", "")).lower() == fields["repo_id"].lower()), None)
+    if listed is not None and {**listed, "repo_id": ""} == {**fields, "repo_id": ""}:  # the same entry (any case)
+        return text
+    if listed is not None:
+        raise Fp8kitError(f"{path}: lists {listed.get('repo_id')} already, as {listed.get('scheme')} "
+                          f"({listed.get('format')}) of {', '.join(map(str, listed.get('base', [])))}; remove that "
+                          f"entry first to register it again")
     want = {**old, "variant": [*old.get("variant", []), fields]}
     table = "\n[[variant]]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in fields.items())
     inline = "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in fields.items()) + " }"
@@ -217,10 +227,10 @@ def _append_whole(path: Path, fields: dict) -> None:
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
     try:
         with FileLock(target.with_name(f".{target.name}.lock")):
-            text = _with_entry(target.read_text() if target.exists() else "", fields, path)
+            text = _with_entry(target.read_text(encoding="utf-8") if target.exists() else "", fields, path)
             mode = target.stat().st_mode & 0o7777 if target.exists() else None
             try:
-                with open(tmp, "x") as f:
+                with open(tmp, "x", encoding="utf-8") as f:
                     f.write(text)
                     f.flush()
                     os.fsync(f.fileno())

@@ -58,7 +58,7 @@ def _answer(name: str, scheme: str, variant: Variant) -> Resolution:
 
 
 def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = None) -> Resolution:
-    from fp8kit.registry.cache import known_commit, model_dir, verify
+    from fp8kit.registry.cache import _legacy_model_dir, known_commit, model_dir, verify
 
     from pathlib import Path
 
@@ -66,6 +66,8 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
     from fp8kit.errors import Fp8kitError
 
     scheme = resolve_scheme(scheme)
+    if not name.strip():  # Path("") is the current folder: an unset $MODEL converted whatever folder one was in
+        raise Fp8kitError("an empty model name: give a Hub repo id org/name[@revision] or a checkpoint folder")
     variants = catalog.load() if variants is None else variants
     if not Path(name).expanduser().is_dir():
         # a pasted name's stray spaces go everywhere it is used: the folder test, matching, the command, the cache
@@ -98,6 +100,9 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
     commit = known_commit(name)
     cache = model_dir(name) / commit / entry_name(scheme) if commit else None
     cached = cache is not None and verify(cache)
+    legacy = _legacy_model_dir(name)  # earlier fp8kit's pinned layout: ensure() moves such an entry and reuses it
+    if cache is not None and not cached and legacy is not None and verify(legacy / commit / entry_name(scheme)):
+        cache, cached = legacy / commit / entry_name(scheme), True
     if cached:  # fp8-convert would refuse an existing OUT: there is nothing to run
         command = None
     elif commit:  # an entry that fails verify() (a file changed or missing) is replaced, as ensure() would
