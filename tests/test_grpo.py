@@ -923,3 +923,44 @@ def test_multimodal_rollouts_run_vllm_language_only_and_the_trainer_reads_the_to
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
         "mlp.up_proj", "mlp.down_proj")]
     assert sorted(rename(n) for n in vllm_subs) == sorted(ours)
+
+
+def test_reward_metrics_are_trls_and_two_lambdas_keep_their_own(tiny_fp8):
+    """reward_std is the mean of the groups' stds (TRL's), frac_reward_zero_std the share of groups with equal
+    rewards; two reward functions of one name were logged under one key, the second overwriting the first."""
+    model, tokenizer = load_model(str(tiny_fp8), lora_rank=4, device="cpu")
+    config = GRPOConfig(steps=1, prompts_per_step=2, num_generations=4, max_completion_length=4, seed=0)
+    constant = lambda prompts, completions, **kw: [1.0] * len(completions)  # noqa: E731
+    lengths = lambda prompts, completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
+    seen = {}
+
+    def spy(prompts, completions, **kw):
+        seen["rewards"] = [1.0 + float(len(c)) for c in completions]
+        return [0.0] * len(completions)
+
+    [m] = train(model, tokenizer, ["a b", "c d e"], [constant, lengths, spy], config)
+    assert m["reward/<lambda>"] == 1.0 and m["reward/<lambda>_1"] == pytest.approx(
+        sum(seen["rewards"]) / len(seen["rewards"]) - 1.0)
+    groups = torch.tensor(seen["rewards"]).view(2, 4)
+    assert m["reward_std"] == pytest.approx(groups.std(dim=1).mean().item())
+    assert m["frac_reward_zero_std"] == pytest.approx(
+        torch.isclose(groups.std(dim=1), torch.zeros(2)).float().mean().item())
+
+
+def test_output_dir_that_cannot_be_written_and_a_bad_on_step_fail_before_the_first_step(tiny_fp8, tmp_path,
+                                                                                         monkeypatch):
+    model, tokenizer = load_model(str(tiny_fp8), lora_rank=4, device="cpu")
+    blocker = tmp_path / "ro"
+    blocker.mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != blocker / "run")
+    rollouts = []
+    monkeypatch.setattr("fp8kit.rl.grpo.HFRollout.generate", lambda *a, **k: rollouts.append(1))
+    config = GRPOConfig(steps=2, prompts_per_step=1, num_generations=2, max_completion_length=4,
+                        output_dir=str(blocker / "run"), save_steps=1)
+    with pytest.raises(Fp8kitError, match=r"output_dir=.*run'?: cannot write checkpoints there"):
+        train(model, tokenizer, ["a b"], [lambda prompts, completions, **kw: [0.0] * len(completions)], config)
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=4)
+    with pytest.raises(Fp8kitError, match="on_step='print': expected a function"):
+        train(model, tokenizer, ["a b"], [lambda prompts, completions, **kw: [0.0] * len(completions)], config,
+              on_step="print")
+    assert rollouts == []

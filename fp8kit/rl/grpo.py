@@ -26,7 +26,7 @@ from torch import nn
 from fp8kit.errors import Fp8kitError
 from fp8kit.rl import logprobs
 from fp8kit.rl.grpo_loss import LOSS_TYPES, group_advantages, mismatch_kl, policy_loss, truncated_importance_weights
-from fp8kit.rl.loader import _one_line, adapters_disabled, load_adapter, lora_modules, write_adapter
+from fp8kit.rl.loader import _fsync, _one_line, adapters_disabled, load_adapter, lora_modules, write_adapter
 from fp8kit.rl.rollout import Completion, HFRollout
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -166,16 +166,26 @@ class GRPOConfig:
         return self.scale_rewards
 
 
-def check_output_dir(output_dir: str | os.PathLike) -> None:
+def check_output_dir(output_dir: str | os.PathLike, create: bool = False) -> None:
     """output_dir must be a folder or creatable as one: an existing file there, or a file in place of one of its
-    parents, would otherwise fail only at the first checkpoint, after save_steps steps of work."""
+    parents, would otherwise fail only at the first checkpoint, after save_steps steps of work. `create` (train(),
+    when it will save) makes it now and checks that it can be written, as transformers' Trainer makes its own."""
     path = Path(output_dir)
     for folder in (path, *path.parents):
         if folder.exists():
             if not folder.is_dir():
                 raise Fp8kitError(f"output_dir={os.fspath(output_dir)!r}: {folder} exists and is not a folder; "
                                   f"choose another output_dir")
-            return
+            break
+    if not create:
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise Fp8kitError(f"output_dir={os.fspath(output_dir)!r}: cannot write checkpoints there ({e.strerror or e}); "
+                          f"choose another output_dir") from e
 
 
 def learning_rate_at(config: GRPOConfig, step: int) -> float:
@@ -294,8 +304,11 @@ def _reward_value(v) -> float:
 def _rewards(reward_funcs, weights, prompts, completions_text, completion_ids, extra) -> tuple[torch.Tensor, dict]:
     total = torch.zeros(len(completions_text))
     per_func = {}
+    names = [str(getattr(func, "__name__", i)) for i, func in enumerate(reward_funcs)]
     for i, func in enumerate(reward_funcs):
-        name = getattr(func, "__name__", i)
+        # two functions of one name (two lambdas) would share one metric: the later ones get _1, _2
+        name = names[i] if names.count(names[i]) == 1 or names.index(names[i]) == i else \
+            f"{names[i]}_{names[:i].count(names[i])}"
         returned = func(prompts=prompts, completions=completions_text, completion_ids=completion_ids, **extra)
         if isinstance(returned, torch.Tensor) and returned.dim() == 2 and returned.shape[-1] == 1:
             returned = returned[:, 0]  # a column of rewards, [n, 1]
@@ -339,7 +352,7 @@ def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
             tensors[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].detach().contiguous().cpu()
             steps[name] = float(state["step"])
     with atomic_directory(directory.resolve(), overwrite=True) as tmp:
-        write_adapter(model, tmp)  # base_model_name_or_path: the model's name
+        write_adapter(model, tmp)  # base_model_name_or_path: the model's name (its files fsynced)
         save_file(tensors, tmp / OPTIMIZER_FILE)
         grad_scaler = scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
         # "config" holds the fields as set (None: by loss type), so GRPOConfig(**state["config"]) behaves as the run's
@@ -349,6 +362,8 @@ def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
                                                   "effective": effective,
                                                   **({"grad_scaler": grad_scaler} if grad_scaler else {})},
                                                  indent=2) + "\n")
+        for name in (OPTIMIZER_FILE, STATE_FILE):  # on disk before the rename names the checkpoint (a power loss)
+            _fsync(tmp / name)
     return directory
 
 
@@ -428,7 +443,9 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     attached). config: a GRPOConfig, a dict of its fields, or None for the defaults."""
     config = _config(config)
     if config.output_dir is not None:  # it may have become a file since the config was made
-        check_output_dir(config.output_dir)
+        check_output_dir(config.output_dir, create=bool(config.save_steps))
+    if on_step is not None and not callable(on_step):  # called after the first step's rollout and update
+        raise Fp8kitError(f"on_step={_short_repr(on_step, 40)}: expected a function taking each step's metrics dict")
     resume = resume_checkpoint(resume_from) if resume_from is not None else None  # before any work
     rollout = rollout or getattr(model, "rollout_engine", None) or HFRollout(model, tokenizer)
     if callable(reward_funcs):  # one function, as TRL also accepts
@@ -671,7 +688,11 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
         train_s = time.perf_counter() - t0
 
         completion_tokens = int(batch["mask"].sum().item())
-        metrics = {"step": step, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+        # reward_std as TRL logs it: the mean of the groups' stds (Bessel-corrected), and the share of groups whose
+        # rewards are all equal (they give no advantage, so no gradient)
+        group_std = rewards.view(-1, n).std(dim=1) if n > 1 else torch.zeros(len(rewards))
+        metrics = {"step": step, "reward_mean": rewards.mean().item(), "reward_std": group_std.mean().item(),
+                   "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item(),
                    **per_func, **stats, "grad_norm": grad_norm, "lr": lr, "update_skipped": skipped,
                    "completion_length": completion_tokens / len(completions),
                    "rollout_tokens_per_s": completion_tokens / gen_s,
