@@ -666,3 +666,45 @@ def test_autocast_adds_lora_in_the_output_dtype(scheme):
         got = layer(x)
     # the LoRA path in bfloat16 (8-bit mantissa): a few parts in a thousand of the output's scale
     assert (got.float() - expected).abs().max() <= 1e-2 * expected.abs().max()
+
+
+@pytest.mark.parametrize("lora_dtype", [torch.float32, torch.float16])
+def test_lora_in_another_dtype_than_the_activations_is_added_as_peft_adds_it(lora_dtype):
+    """peft keeps float32 adapters in a bf16 model (autocast_adapter_dtype): addmm_ failed on the mixed dtypes."""
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+
+    w_q, w_s = quantize_weight(torch.randn(256, 256, generator=torch.Generator().manual_seed(5)) * 0.05,
+                               SCHEMES["dynamic"], torch.bfloat16)
+    layer = FP8LoRALinear(w_q, w_s, "dynamic", rank=4, alpha=8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.lora_B.normal_(generator=torch.Generator().manual_seed(1))
+    layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.to(lora_dtype), layer.lora_B.data.to(lora_dtype)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    twin = FP8LoRALinear(w_q, w_s, "dynamic", rank=0, dtype=torch.bfloat16)
+    lora = (x.double() @ layer.lora_A.double().t()) @ layer.lora_B.double().t() * 2.0
+    expected = twin(x).double() + lora
+    assert (got.double() - expected).abs().max() <= 1e-2 * expected.abs().max()
+
+
+def test_an_adapter_is_not_saved_while_disabled_and_a_missing_alpha_is_peft_s_default(fp8_dirs, tmp_path):
+    import json
+
+    from fp8kit.errors import Fp8kitError
+    from fp8kit.rl.loader import adapters_disabled
+
+    model = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4, lora_alpha=32)
+    with adapters_disabled(model), pytest.raises(Fp8kitError, match="adapters are disabled"):
+        save_adapter(model, tmp_path / "a")  # it wrote lora_alpha 0.0: an adapter that does nothing
+    assert not (tmp_path / "a").exists()
+    save_adapter(model, tmp_path / "a")
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    del config["lora_alpha"]  # peft's LoraConfig then takes 8: scaling 8 / 4
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp_path / "a" / "adapter_model.safetensors"
+    save_file(load_file(weights), weights)  # as an adapter of other tools: no fp8kit stamp in its metadata
+    load_adapter(model, tmp_path / "a")
+    assert {m.scaling for m in model.modules() if isinstance(m, FP8LoRALinear) and m.rank} == {2.0}

@@ -330,9 +330,12 @@ def add_lora(module: nn.Module, x2: torch.Tensor, y2: torch.Tensor) -> torch.Ten
     (the reference policy) cost nothing."""
     if module.lora_A is None or not module.scaling:
         return y2
+    # LoRA weights kept in another dtype than the activations (peft's autocast_adapter_dtype keeps float32 ones in a
+    # bf16 model): the input in theirs, the product back in y2's, as peft's Linear.forward casts
+    x2 = x2.to(module.lora_A.dtype)
     if torch.compiler.is_compiling():  # the compiler fuses the add into the next kernel; addmm_ would cost a copy
-        return y2 + (module.lora_dropout(x2) @ module.lora_A.t()) @ module.lora_B.t() * module.scaling
-    if torch.is_autocast_enabled(y2.device.type):  # the products come out in autocast's dtype, not y2's
+        return y2 + ((module.lora_dropout(x2) @ module.lora_A.t()) @ module.lora_B.t() * module.scaling).to(y2.dtype)
+    if torch.is_autocast_enabled(y2.device.type) or x2.dtype != y2.dtype:  # products in another dtype than y2's
         return y2.add_(((module.lora_dropout(x2) @ module.lora_A.t()) @ module.lora_B.t()).to(y2.dtype),
                        alpha=module.scaling)
     return y2.addmm_(module.lora_dropout(x2) @ module.lora_A.t(), module.lora_B.t(), alpha=module.scaling)

@@ -286,7 +286,9 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
                 raise Fp8kitError(f"{_file_of(tensors[name + '.bias'], where)}: checkpoint tensor {name}.bias has no "
                                   f"place in the model: config.json gives {name} no bias (attention_bias, mlp_bias); "
                                   f"the weights and config.json do not belong together")
-            rank = lora_rank if name.rsplit(".", 1)[-1] in targets else 0
+            # the language model only: a checkpoint that quantized a vision tower's q_proj gave it LoRA, which the
+            # adapter's exclude_modules then told peft to drop
+            rank = lora_rank if name.rsplit(".", 1)[-1] in targets and not NOT_LANGUAGE.search(name) else 0
             if name in quantized:
                 weight, scale = tensors[name + ".weight"](), tensors[f"{name}.{scale_suffix}"]()
                 _check_fp8_layer(name, weight, scale, scheme, module, scale_suffix,
@@ -587,6 +589,8 @@ def _adapter_payload(model: nn.Module, base_model_name_or_path: str | None) -> t
         tensors[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.detach().contiguous().cpu()
         tensors[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.detach().contiguous().cpu()
     first = next(iter(modules.values()))
+    if not first.scaling:  # lora_alpha is written as scaling * r: an adapter saved now would do nothing
+        raise Fp8kitError("the adapters are disabled (inside adapters_disabled): save the adapter outside that block")
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.rank, "lora_alpha": first.scaling * first.rank,
               "lora_dropout": getattr(first, "lora_dropout_rate", getattr(first.lora_dropout, "p", 0.0)),
               "bias": "none", "fan_in_fan_out": False,
@@ -675,7 +679,7 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise Fp8kitError(f"{config_file}: the LoRA rank `r` must be a positive integer, got {rank!r}; set it to the "
                           f"adapter's rank or save the adapter again")
-    alpha = config.get("lora_alpha", rank)
+    alpha = config.get("lora_alpha", 8)  # peft's LoraConfig default, so both read one adapter alike
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise Fp8kitError(f"{config_file}: `lora_alpha` must be a number, got {alpha!r}; set it or save the adapter "
                           f"again")
