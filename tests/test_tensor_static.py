@@ -241,3 +241,21 @@ def test_moe_experts_named_in_ignore_stay_in_source_precision(tmp_path):
     assert set(kept) <= set(report.ignored) and not set(kept) & set(report.quantized)
     q = json.loads((out / "config.json").read_text())["quantization_config"]
     assert set(kept) <= set(q["ignore"])
+
+
+@pytest.mark.parametrize("generation", ['{"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.6, "top_p": 0.9,\n'
+                                        ' "my_field": "kept"}\n', None])
+def test_the_source_generation_config_is_copied_as_it_is(tmp_path, generation):
+    """transformers 5 refuses to save sampling fields without do_sample (the whole calibration ran first, then a
+    traceback), and rewrote the file it saved (dropping fields of its own); a source without one gets none."""
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1)
+    add_tokenizer(src, SAMPLE + " ".join(map(str, range(500))))
+    (src / "generation_config.json").unlink(missing_ok=True)
+    if generation is not None:
+        (src / "generation_config.json").write_text(generation)
+    convert(src, tmp_path / "static", scheme="tensor-static")
+    out = tmp_path / "static" / "generation_config.json"
+    if generation is None:
+        assert not out.exists()
+    else:
+        assert out.read_text() == generation

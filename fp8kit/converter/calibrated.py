@@ -8,6 +8,7 @@ fp8kit's own rules for what stays in source precision and its atomic output.
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -95,8 +96,20 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     _check_finite_scales(src_path, model)
     warnings = list(sel.warnings)
     # a full disk inside save_pretrained (a SafetensorError, not an OSError) is one line: see atomic_directory
+    # transformers 5 refuses to save a generation config with sampling fields (temperature, top_p) but no do_sample,
+    # which it loads without a word (and it would rewrite one it saves): a default one is saved, then replaced by
+    # the source's own file byte for byte, as the streaming schemes copy it
+    if getattr(model, "generation_config", None) is not None:
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig()
     with atomic_directory(out, overwrite) as partial:
         model.save_pretrained(partial, save_compressed=True, max_shard_size=shard_bytes)
+        generation = src_path / "generation_config.json"
+        if generation.is_file():
+            shutil.copyfile(generation, partial / generation.name)
+        else:
+            (partial / generation.name).unlink(missing_ok=True)
         source.copy_extra_files(src_path, partial, keep_existing=True)  # save_pretrained wrote some already
         for stray in ("recipe.yaml",):
             (partial / stray).unlink(missing_ok=True)

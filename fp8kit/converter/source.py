@@ -16,6 +16,10 @@ REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 # Everything a model repo holds that is not a weight file; weights other than safetensors never download.
 HUB_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py", "*.md", "LICENSE*",
                 "*.yaml", "*.vocab", "*merges*"]
+# Weights transformers does not load, which weight_files() never reads: Mistral's consolidated.safetensors (another
+# copy in Mistral's own names, as large as the model), a subfolder's (original/, an adapter's) and a LoRA adapter's.
+# ("*" spans "/" in huggingface_hub's patterns.)
+HUB_IGNORED = ["consolidated*.safetensors", "*/*.safetensors", "adapter_model*.safetensors"]
 
 
 def is_repo_id(text: str) -> bool:
@@ -46,7 +50,7 @@ def resolve(src: str | Path) -> Path:
         # Offline, a commit-hash revision must also be looked up in the cache only (huggingface_hub would
         # otherwise try to list the commit's files online).
         return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=HUB_PATTERNS,
-                                      local_files_only=constants.HF_HUB_OFFLINE))
+                                      ignore_patterns=HUB_IGNORED, local_files_only=constants.HF_HUB_OFFLINE))
     except GatedRepoError as e:
         raise Fp8kitError(f"{repo_id}: gated repo; accept its terms on the Hub and log in (hf auth login)") from e
     except RepositoryNotFoundError as e:
