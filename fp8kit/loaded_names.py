@@ -45,24 +45,46 @@ def key_renamer(model: torch.nn.Module) -> Callable[[str], str]:
     return rename
 
 
-def build_model(config, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """The model from_pretrained would build for `config` as a causal LM: AutoModelForCausalLM's, else the class
+def _causal_lm_classes(config) -> list:
+    """Where from_pretrained would find the model of `config` as a causal LM: AutoModelForCausalLM, else the class
     config.json's `architectures` names (Mistral 3's Mistral3ForConditionalGeneration, which no causal-LM auto class
-    maps), else the image-text-to-text auto class's. Raises ValueError when none takes the config."""
+    maps), else the image-text-to-text auto class."""
     import transformers
 
-    kwargs = {"dtype": dtype} if dtype is not None else {}
-    try:
-        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
-    except ValueError as e:
-        named = (getattr(config, "architectures", None) or [""])[0]
-        model_class = getattr(transformers, named, None) if named else None
-        if model_class is not None and hasattr(model_class, "_from_config"):
-            return model_class._from_config(config, **kwargs)
+    named = (getattr(config, "architectures", None) or [""])[0]
+    model_class = getattr(transformers, named, None) if named else None
+    return [transformers.AutoModelForCausalLM, *([model_class] if hasattr(model_class, "_from_config") else []),
+            transformers.AutoModelForImageTextToText]
+
+
+def _first_that_takes(config, make):
+    """make(cls) for the first of _causal_lm_classes(config) whose auto mapping takes the config (ValueError)."""
+    first = None
+    for cls in _causal_lm_classes(config):
         try:
-            return transformers.AutoModelForImageTextToText.from_config(config, **kwargs)
-        except ValueError:
-            raise e from None
+            return make(cls)
+        except ValueError as e:
+            if "Unrecognized configuration class" not in str(e):
+                raise
+            first = first or e
+    raise first
+
+
+def build_model(config, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The model from_pretrained would build for `config` as a causal LM, without weights (_causal_lm_classes).
+    Raises ValueError when none takes the config."""
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    return _first_that_takes(config, lambda cls: cls.from_config(config, **kwargs) if hasattr(cls, "from_config")
+                             else cls._from_config(config, **kwargs))
+
+
+def load_model(src: Path, **kwargs) -> torch.nn.Module:
+    """The checkpoint's model with its weights, from the class build_model picks (calibration runs the whole model:
+    AutoModelForCausalLM alone refused Mistral 3)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(src, trust_remote_code=False)
+    return _first_that_takes(config, lambda cls: cls.from_pretrained(src, config=config, **kwargs))
 
 
 def loaded_names(src: Path, modules: list[str]) -> dict[str, str]:

@@ -140,13 +140,15 @@ def quiet():
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32):
-    """transformers' loader, quietly (compressed-tensors decompresses FP8 weights on CPU)."""
+    """transformers' loader, quietly (compressed-tensors decompresses FP8 weights on CPU), through the class
+    from_pretrained would pick for a causal LM (Mistral 3's is no AutoModelForCausalLM)."""
     import transformers
-    from transformers import AutoModelForCausalLM
+
+    from fp8kit.loaded_names import load_model
 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        return load_model(path, dtype=dtype).eval()
     finally:
         transformers.logging.set_verbosity(verbosity)

@@ -49,7 +49,8 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     check_all_finite(tensors)
 
     from torch.utils.data import DataLoader
-    from transformers import AutoModelForCausalLM
+
+    from fp8kit.loaded_names import load_model
 
     tokenizer, samples, calibration = calibration_samples(src_path, calibration, seq_len, "--scheme tensor-static")
     # imported once the input is known good: on a machine without a GPU, importing it logs a warning
@@ -64,8 +65,7 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
                          for s in samples], batch_size=1)
     # on the GPU unless --device cpu: calibration runs the whole model over the text
     try:
-        model = AutoModelForCausalLM.from_pretrained(src_path, dtype="auto",
-                                                     device_map=str(dev) if dev.type == "cuda" else None)
+        model = load_model(src_path, dtype="auto", device_map=str(dev) if dev.type == "cuda" else None)
     except Exception as e:  # noqa: BLE001 - e.g. a model_type transformers does not know
         raise model_run_error(src_path, "--scheme tensor-static", e, RUN_FIX) from e
     # the KV-cache scales as llm-compressor measures them, with the static min-max observer that our streaming

@@ -84,9 +84,11 @@ def kv_cache_scales(src_path: Path, calibration: str | Path | None, device: torc
     min-max observer measures them. The keys are what transformers hands its attention function: after the key
     norm and RoPE, before grouped-query repetition, as vLLM caches them. The model runs its own attention function
     and masks (sliding windows, soft-capping), with an observer in front."""
-    from transformers import AttentionMaskInterface, AutoModelForCausalLM
+    from transformers import AttentionMaskInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from fp8kit.loaded_names import load_model
 
     _, samples, calibration = calibration_samples(src_path, calibration, seq_len, "--kv-cache fp8")
     amax: dict[str, torch.Tensor] = {}
@@ -96,7 +98,7 @@ def kv_cache_scales(src_path: Path, calibration: str | Path | None, device: torc
     observer = f"fp8kit_kv_amax_{id(amax)}"
     model = None
     try:
-        model = AutoModelForCausalLM.from_pretrained(src_path, dtype="auto", device_map=str(device))
+        model = load_model(src_path, dtype="auto", device_map=str(device))
         original = model.config._attn_implementation  # what transformers picked for this model
         names = {id(m): n for n, m in model.named_modules()}
 
