@@ -100,3 +100,17 @@ def test_qwen3_5_linear_attention_pairs_share_one_status():
     assert sorted(sel.keep) == sorted(f"{attention}.{m}" for m in ("in_proj_qkv", "in_proj_z", "in_proj_b",
                                                                   "in_proj_a"))
     assert len(select(t, SCHEMES["dynamic"], []).quantize) == 5
+
+
+def test_towers_named_otherwise_and_position_tables_are_kept():
+    """Phi-4-multimodal's, Idefics2's, MiniCPM-V's and Granite Speech's encoders have `layers.N` too: they were
+    quantized, and Granite Speech's 2-D `rel_pos_emb` (an Embedding) became raw FP8 codes in transformers."""
+    towers = ["model.embed_tokens_extend.image_embed.img_processor.encoder.layers.0.self_attn.q_proj",
+              "model.connector.perceiver_resampler.layers.0.self_attn.q_proj", "vpm.encoder.layers.0.mlp.fc1",
+              "encoder.layers.0.attn.to_q", "encoder.layers.0.attn.rel_pos_emb"]
+    language = ["language_model.model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj",
+                "model.encoder_decoder.layers.0.self_attn.q_proj"]
+    sel = select(infos({f"{m}.weight": (256, 256) for m in towers + language}), SCHEMES["dynamic"], [])
+    assert sorted(sel.quantize) == sorted(language)
+    # the position table is no Linear: kept, and left out of the ignore list as embedding tables are
+    assert set(towers[:-1]) <= set(sel.keep) and towers[-1] not in sel.keep

@@ -20,8 +20,12 @@ from fp8kit.errors import Fp8kitError
 
 SOURCE_DTYPES = {"F32", "F16", "BF16"}
 DECODER_BLOCK = re.compile(r"(^|\.)(layers|h|blocks|block)\.\d+\.")
+# Towers named otherwise: Phi-4-multimodal's `embed_tokens_extend.image_embed.img_processor`, Idefics2's
+# `connector.perceiver_resampler`, MiniCPM-V's `vpm`, and Granite Speech's top-level `encoder` (its language model is
+# `language_model.`)
 NOT_LANGUAGE = re.compile(r"(^|\.)(vision|visual|vision_tower|vision_model|audio|audio_tower|audio_model|speech|"
-                          r"multi_modal_projector|mm_projector|image_newline|vqmodel|mtp)(\.|_|$)")
+                          r"multi_modal_projector|mm_projector|image_newline|vqmodel|mtp|img_processor|"
+                          r"embed_tokens_extend|perceiver_resampler|vpm)(\.|_|$)|^encoder\.")
 ROUTERS = {"gate", "router", "shared_expert_gate"}
 # DeepSeek-V3 multi-token-prediction heads: vocabulary-sized or not GEMMs that engines quantize.
 KEPT_PARTS = ROUTERS | {"shared_head", "eh_proj"}
@@ -56,7 +60,8 @@ def is_candidate(module: str) -> bool:
     if not DECODER_BLOCK.search(module) or NOT_LANGUAGE.search(module):
         return False
     parts = DECODER_BLOCK.split(module)[-1].split(".")
-    return not any(p in KEPT_PARTS or "embed" in p or "norm" in p for p in parts)
+    # `_emb`: position tables stored 2-D (Granite Speech's `attn.rel_pos_emb`), Embeddings, not Linears
+    return not any(p in KEPT_PARTS or "embed" in p or "norm" in p or p.endswith("_emb") for p in parts)
 
 
 def is_embedding_table(module: str) -> bool:
@@ -65,7 +70,8 @@ def is_embedding_table(module: str) -> bool:
     3n's `altup_unembed_projections.N`, its `embed_vision.embedding_projection`) are named there: a Linear left out
     of it gets an FP8 wrapper in transformers and vLLM with no scale to load (NaN logits)."""
     leaf = module.split(".")[-1]
-    return leaf in ("wte", "wpe") or ("embed" in leaf and "unembed" not in leaf and "proj" not in leaf)
+    return leaf in ("wte", "wpe") or leaf.endswith("_emb") or ("embed" in leaf and "unembed" not in leaf
+                                                                and "proj" not in leaf)
 
 
 def _module(name: str) -> str:
