@@ -329,3 +329,42 @@ def test_the_last_step_is_checkpointed_when_steps_is_not_a_multiple_of_save_step
     train(model, tok, ["the quick"], [_zero], config)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-2", "checkpoint-3"]
     assert json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())["step"] == 3
+
+
+def test_a_tokenizer_without_eos_pads_with_the_generation_configs_stop_token_or_is_refused(tiny_fp8, tmp_path):
+    """It left pad_token None: a TypeError in the first rollout (torch.full(..., None))."""
+    import shutil
+
+    src = tmp_path / "no-eos"
+    shutil.copytree(tiny_fp8, src)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config.pop("eos_token", None)
+    config.pop("pad_token", None)
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
+    model, tokenizer = load_model(str(src), lora_rank=4, device="cpu")
+    assert tokenizer.pad_token_id == 2
+    [m] = train(model, tokenizer, ["a b"], [_zero], GRPOConfig(steps=1, prompts_per_step=1, num_generations=2,
+                                                               max_completion_length=3))
+    assert m["step"] == 1
+    (src / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
+    with pytest.raises(Fp8kitError, match="neither a pad nor an EOS token"):
+        load_model(str(src), lora_rank=4, device="cpu")
+
+
+def test_vllm_kwargs_load_model_sets_or_that_break_the_sharing_are_refused():
+    from fp8kit.rl.vllm_engine import check_engine_kwargs
+
+    check_engine_kwargs({"kv_cache_memory_bytes": 1 << 30, "tensor_parallel_size": 1})
+    for kwargs, needle in [({"dtype": "float16"}, "pass load_model's dtype instead"),
+                           ({"max_model_len": 4096}, "pass load_model's max_seq_length instead"),
+                           ({"seed": 3}, "fp8kit sets it"),
+                           ({"tensor_parallel_size": 2}, "use one GPU")]:
+        with pytest.raises(Fp8kitError, match=needle):
+            check_engine_kwargs(kwargs)
+
+
+def test_the_rl_package_exports_what_a_run_needs():
+    import fp8kit.rl as rl
+
+    assert rl.load_model is load_model and rl.train is train and rl.GRPOConfig is GRPOConfig

@@ -494,14 +494,20 @@ def _load(path, config, scheme, dtype, lora_rank, lora_alpha, target_modules, lo
     model = assemble(config, checkpoint_tensors(path, device), scheme, dtype, lora_rank, lora_alpha,
                      lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout), lora_dropout, backend,
                      str(path), seed=seed, device=device)
-    if (path / "generation_config.json").exists():  # its stop tokens, as vLLM reads them (from_config skips it)
+    load_generation_config(model, path)
+    return model.to(device)
+
+
+def load_generation_config(model: nn.Module, path: Path) -> None:
+    """The checkpoint's generation_config.json on the model: its stop tokens, as vLLM reads them (from_config, which
+    builds the model, skips the file)."""
+    if (path / "generation_config.json").exists():
         from transformers import GenerationConfig
 
         try:
             model.generation_config = GenerationConfig.from_pretrained(path)
         except Exception as e:  # noqa: BLE001 - JSON and validation errors of several kinds
             raise Fp8kitError(f"{path / 'generation_config.json'}: unreadable ({_one_line(e)}); fix or remove it") from e
-    return model.to(device)
 
 
 def checkpoint_mismatches(model: nn.Module, path: str | Path) -> list[str]:
@@ -601,7 +607,7 @@ def _adapter_payload(model: nn.Module, base_model_name_or_path: str | None) -> t
            for n, m in model.named_modules()):
         # a vision tower's q_proj has a target's name but no LoRA here (assemble): peft would add one to it, and warn
         # that the adapter lacks its weights (a regex, fully matched, as peft reads a string; vLLM ignores the key)
-        config["exclude_modules"] = f".*{NOT_LANGUAGE.pattern}.*"
+        config["exclude_modules"] = f".*(?:{NOT_LANGUAGE.pattern}).*"  # a group: the pattern has alternatives
     return tensors, config
 
 

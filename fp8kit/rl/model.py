@@ -11,7 +11,7 @@ from fp8kit.errors import Fp8kitError
 from fp8kit.rl.loader import (DEFAULT_SEED, _one_line, check_device, check_seed, load_fp8_model, load_lora_model,
                                lora_targets, read_config, static_activation_scales)
 from fp8kit.rl.rollout import HFRollout
-from fp8kit.rl.vllm_engine import VLLM_MULTIMODAL, check_rollout_arguments, has_tower
+from fp8kit.rl.vllm_engine import VLLM_MULTIMODAL, check_engine_kwargs, check_rollout_arguments, has_tower
 
 
 # what AutoTokenizer reads: a fast tokenizer's file, the config naming the class, or a slow tokenizer's vocabulary
@@ -59,6 +59,7 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
                           f"CUDA_VISIBLE_DEVICES={device.index} and pass device='cuda', or pass fast_inference=False")
     if with_vllm:  # before _checkpoint, which may convert the model
         check_rollout_arguments(dtype, lora_rank)
+        check_engine_kwargs(vllm_kwargs or {})
         if lora_rank and "lm_head" in targets:
             # vLLM's lm_head LoRA (LogitsProcessorWithLoRA) keeps one stacked tensor, not one per packed slice as
             # VLLMRollout.sync_lora writes them: the first sync would fail after a whole rollout and training step
@@ -116,9 +117,27 @@ def _tokenizer(path: Path):
     except Exception as e:  # noqa: BLE001 - OSError, ValueError, ImportError (sentencepiece), JSON errors, ...
         raise Fp8kitError(f"{path}: transformers cannot load its tokenizer ({_one_line(e)}); copy the original "
                           f"model's tokenizer files into this folder") from e
-    if tokenizer.pad_token_id is None:
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is None:  # pads with the first stop token vLLM reads
+        eos = _generation_eos(path)
+        if eos is None:
+            raise Fp8kitError(f"{path}: the tokenizer has neither a pad nor an EOS token, and generation_config.json "
+                              f"names no eos_token_id; set eos_token in tokenizer_config.json (completions end there)")
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(eos)
+    elif tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _generation_eos(path: Path) -> int | None:
+    """The first eos_token_id of generation_config.json (an int or a list), if any."""
+    import json
+
+    try:
+        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
 
 
 def _checkpoint(name: str, load_in_fp8: bool | str) -> Path:

@@ -150,6 +150,7 @@ def rollout_llm_kwargs(path: str | Path, dtype: torch.dtype, max_seq_length: int
     from fp8kit.rl.loader import DEFAULT_TARGETS
 
     check_rollout_arguments(dtype, lora_rank)
+    check_engine_kwargs(engine_kwargs)
     config_file = Path(path) / "config.json"
     qc = (json.loads(config_file.read_text()).get("quantization_config") or {}) if config_file.exists() else {}
     if any("lm_head" in g.get("targets", ()) for g in qc.get("config_groups", {}).values()):
@@ -169,6 +170,26 @@ def rollout_llm_kwargs(path: str | Path, dtype: torch.dtype, max_seq_length: int
                 gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
                 logprobs_mode="processed_logprobs", seed=0, **lora, **towers,
                 **rollout_engine_kwargs(qc, engine_kwargs))
+
+
+# vllm.LLM arguments load_model sets from its own (dtype, max_seq_length, gpu_memory_utilization, lora_rank) or that
+# the weight sharing needs: in vllm_kwargs they were a TypeError ("multiple values") or broke the sharing
+RESERVED_ENGINE_KWARGS = {"dtype": "dtype", "max_model_len": "max_seq_length",
+                          "gpu_memory_utilization": "gpu_memory_utilization", "max_lora_rank": "lora_rank",
+                          "enable_lora": "lora_rank", "max_loras": None, "lora_target_modules": "target_modules",
+                          "enable_sleep_mode": None, "logprobs_mode": None, "seed": None, "language_model_only": None}
+
+
+def check_engine_kwargs(engine_kwargs: dict) -> None:
+    """vllm_kwargs load_model cannot pass on, refused before the engine starts (and before a conversion)."""
+    for key, argument in RESERVED_ENGINE_KWARGS.items():
+        if key in engine_kwargs:
+            instead = f"pass load_model's {argument} instead" if argument else "fp8kit sets it for the weight sharing"
+            raise Fp8kitError(f"vllm_kwargs {key}={engine_kwargs[key]!r}: {instead}")
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if engine_kwargs.get(key, 1) != 1:
+            raise Fp8kitError(f"vllm_kwargs {key}={engine_kwargs[key]!r}: the trainer shares the weights of one GPU's "
+                              f"vLLM model; use one GPU (1)")
 
 
 def tower_tensors(path: Path, config, device: torch.device) -> dict:
@@ -215,7 +236,9 @@ class VLLMRollout:
                  **engine_kwargs):
         from fp8kit.rl.loader import DEFAULT_TARGETS
 
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model must live in this process
+        # the model must live in this process: with the engine core in a subprocess (=1), the weights to share are
+        # out of reach, found only after a whole engine start
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs = rollout_llm_kwargs(path, dtype, max_seq_length, gpu_memory_utilization, lora_rank, target_modules,
                                     engine_kwargs)
         from vllm import LLM
@@ -241,7 +264,7 @@ class VLLMRollout:
         from transformers import AutoConfig
 
         from fp8kit.loaded_names import key_renamer
-        from fp8kit.rl.loader import DEFAULT_SEED, assemble
+        from fp8kit.rl.loader import DEFAULT_SEED, assemble, load_generation_config
 
         config = AutoConfig.from_pretrained(self.path)
         if hasattr(config, "quantization_config"):
@@ -253,6 +276,7 @@ class VLLMRollout:
         model = assemble(config, {**towers, **tensors}, scheme, dtype, lora_rank, lora_alpha, targets, 0.0, backend,
                          f"vLLM engine for {self.path}", seed=DEFAULT_SEED if seed is None else seed)
         model.to("cuda")  # moves only what is not vLLM's already: the rotary tables built on the CPU
+        load_generation_config(model, self.path)  # the stop tokens vLLM uses, for model.generate too
         # LoRA, rotary tables and the towers vLLM did not build
         self.trainer_allocated_bytes = torch.cuda.memory_allocated() - before
         # vLLM names modules as the checkpoint did (Gemma 3's `language_model.model.layers.N`), the trainer as
