@@ -236,3 +236,24 @@ def test_text_report_says_why_layers_were_kept(tmp_path, src, isolated):
     assert result.exit_code == 0, result.output
     assert "1 Linear layers kept in the source precision (--ignore, or the scheme cannot take their shapes), e.g. " \
            "model.layers.1.mlp.down_proj" in result.stdout
+
+
+def test_validation_sample_fits_the_model_and_a_foreign_tokenizer_is_one_line(tmp_path, isolated):
+    """The sample was cut at 512 tokens whatever max_position_embeddings said, and a tokenizer whose ids run past
+    the model's vocabulary failed the variant with a bare IndexError."""
+    import torch
+
+    from fp8kit.hub.validate import sample_ids
+    from fp8kit.models import build_checkpoint
+
+    short = build_checkpoint(tmp_path / "short", "llama", torch.bfloat16, seed=1, max_position_embeddings=128)
+    add_tokenizer(short, TEXT, vocab_size=300)
+    assert sample_ids(short)[0].shape[1] == 128
+    from fp8kit.hub.validate import SAMPLE
+
+    small = build_checkpoint(tmp_path / "small", "llama", torch.bfloat16, seed=1, vocab_size=300)
+    add_tokenizer(small, SAMPLE.read_text() * 3, vocab_size=512)  # trained on the sample: ids up to 511
+    result = CliRunner().invoke(main, ["publish", str(small), "--base-model", "org/small", "--scheme", "dynamic",
+                                       "--org", "me", "--dry-run", "--staging", str(tmp_path / "staging"), "--json"])
+    (row,) = json.loads(result.stdout)
+    assert row["status"] == "failed" and "past the model's vocab_size 300" in row["error"], row

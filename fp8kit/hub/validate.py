@@ -20,14 +20,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 
 
 def sample_ids(src: Path, max_tokens: int = 512, seed: int = 0) -> tuple[torch.Tensor, str]:
+    from fp8kit.errors import Fp8kitError
+
+    config = json.loads((src / "config.json").read_text())
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    vocab = config.get("vocab_size") or text_config.get("vocab_size")
+    positions = config.get("max_position_embeddings") or text_config.get("max_position_embeddings")
+    if isinstance(positions, int) and positions > 1:  # learned position tables end there
+        max_tokens = min(max_tokens, positions)
     if any((src / f).exists() for f in TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(src)
         ids = tokenizer(SAMPLE.read_text(), return_tensors="pt").input_ids[:, :max_tokens]
+        if isinstance(vocab, int) and ids.numel() and int(ids.max()) >= vocab:  # an IndexError in the embedding
+            raise Fp8kitError(f"{src}: its tokenizer gives token id {int(ids.max())}, past the model's vocab_size "
+                              f"{vocab}; the tokenizer files and the weights do not belong together")
         return ids, "text sample"
-    vocab = json.loads((src / "config.json").read_text())
-    vocab = vocab.get("vocab_size") or vocab.get("text_config", {}).get("vocab_size")
     ids = torch.randint(0, vocab, (1, max_tokens), generator=torch.Generator().manual_seed(seed))
     return ids, f"random token ids (seed {seed}; the source has no tokenizer)"
 
