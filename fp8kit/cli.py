@@ -441,6 +441,7 @@ def _plan_jobs(path, read_plan, src, base_model, schemes, defaults: dict, dry_ru
         job["kv_cache"] = job["kv_cache"] or None  # an entry's `kv_cache = false` turns a default off
         if not job["kv_cache"] and "calibration" not in m:  # a default calibration is for the entries that calibrate
             job["calibration"] = None
+    options = []  # each entry's conversion_options, as its variants record them
     for i, (m, job) in enumerate(zip(plan["model"], jobs)):  # each entry's format, named where it was set
         check_format(job["fmt"], job["schemes"], f"{path}: [[model]] number {i + 1}: format" if "format" in m else
                      f"{path}: top-level format (for [[model]] number {i + 1})" if "format" in plan else
@@ -448,7 +449,7 @@ def _plan_jobs(path, read_plan, src, base_model, schemes, defaults: dict, dry_ru
         try:  # fp8-convert's options, and the calibration text read, before the first entry is converted
             for scheme in job["schemes"]:
                 check_options(scheme, job["fmt"], job["ignore"], job["lm_head"], job["kv_cache"], job["calibration"])
-            conversion_options(job["kv_cache"], job["calibration"], job["lm_head"], job["ignore"])
+            options.append(conversion_options(job["kv_cache"], job["calibration"], job["lm_head"], job["ignore"]))
         except Fp8kitError as e:
             raise Fp8kitError(f"{path}: [[model]] number {i + 1}: {e}") from e
     _check_plan_names(path, jobs)
@@ -459,7 +460,7 @@ def _plan_jobs(path, read_plan, src, base_model, schemes, defaults: dict, dry_ru
         for job in jobs:
             job["org"] = job["org"] or user
         _check_plan_names(path, jobs)  # the repo names the user gives them
-    _refuse_shared_repos(path, jobs)
+    _refuse_shared_repos(path, jobs, options)
     return jobs
 
 
@@ -482,24 +483,22 @@ def _check_plan_names(path, jobs: list[dict]) -> None:
                 raise Fp8kitError(f"--plan {path}: [[model]] number {i + 1}: {e}") from e
 
 
-def _refuse_shared_repos(path, jobs: list[dict]) -> None:
+def _refuse_shared_repos(path, jobs: list[dict], options: list[dict]) -> None:
     """Two [[model]] entries whose variants land in one repo (the default template fills it from the name alone, so
     org-a/Foo and org-b/Foo collide, and one model's two formats): the later upload would replace the earlier one's
-    weights under its name."""
-    from fp8kit.hub.publish import repo_id_for
-
+    weights under its name. `options`: each entry's conversion_options."""
     import shlex
 
-    from fp8kit.hub.publish import conversion_options, convert_args
+    from fp8kit.hub.publish import convert_args, repo_id_for
 
     seen = {}
-    for i, job in enumerate(jobs):
+    for i, (job, recorded) in enumerate(zip(jobs, options)):
         # what the variants hold: the model, the format and fp8-convert's options (one model with and without an
         # FP8 KV cache are two variants)
-        options = [job[k] for k in ("kv_cache", "calibration", "lm_head", "ignore")]
-        label = ", ".join([job["src"], job["fmt"]] + ([shlex.join(convert_args(*options))] if any(options) else []))
+        args = convert_args(job["kv_cache"], job["calibration"], job["lm_head"], job["ignore"])
+        label = ", ".join([job["src"], job["fmt"]] + ([shlex.join(args)] if args else []))
         source = (job["src"], job["base_model"] or job["src"].partition("@")[0], job["fmt"],
-                  json.dumps(conversion_options(*options), sort_keys=True))
+                  json.dumps(recorded, sort_keys=True))
         for scheme in job["schemes"]:
             # an entry without org publishes under the token's user: one name for all such entries
             repo_id = repo_id_for(job["repo_template"], job["org"] or "{token user}", source[1], scheme)

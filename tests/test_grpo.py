@@ -964,3 +964,18 @@ def test_output_dir_that_cannot_be_written_and_a_bad_on_step_fail_before_the_fir
         train(model, tokenizer, ["a b"], [lambda prompts, completions, **kw: [0.0] * len(completions)], config,
               on_step="print")
     assert rollouts == []
+
+
+def test_checkpoint_files_reach_the_disk_before_the_rename(tiny_fp8, tmp_path, monkeypatch):
+    """optimizer.safetensors and trainer_state.json were not fsynced: after a power loss checkpoint-N could exist with
+    empty files, and a resume from output_dir would fail on it."""
+    import fp8kit.rl.grpo as grpo
+
+    synced, real = [], grpo._fsync
+    monkeypatch.setattr(grpo, "_fsync", lambda path: (synced.append(Path(path).name), real(path)))
+    model, tokenizer = load_model(str(tiny_fp8), lora_rank=4, device="cpu")
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=3,
+                        output_dir=str(tmp_path / "run"), save_steps=1)
+    train(model, tokenizer, ["a b"], [lambda prompts, completions, **kw: [0.0] * len(completions)], config)
+    assert {"optimizer.safetensors", "trainer_state.json"} <= set(synced)
+    assert (tmp_path / "run" / "checkpoint-1" / "trainer_state.json").is_file()

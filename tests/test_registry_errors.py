@@ -1,6 +1,7 @@
 """Registry overlay writes that fail leave the file whole; `fp8kit cache rm` with a cache path that is a file."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -645,3 +646,29 @@ def test_cache_rm_of_a_folder_another_cache_rm_removed_meanwhile(tmp_path, monke
     monkeypatch.setattr(shutil, "rmtree", racing)
     cache._delete(folder)
     assert not folder.exists()
+
+
+def test_an_overlay_is_read_as_utf8_whatever_the_locale(tmp_path):
+    """read_text() decoded with the locale's encoding: under LC_ALL=C without UTF-8 mode a valid UTF-8 overlay was
+    refused as "not UTF-8"."""
+    overlay = tmp_path / "overlay.toml"
+    overlay.write_text('# uploads of the Zürich team\n[[variant]]\nrepo_id = "me/tiny-FP8-Dynamic"\nfamily = "tiny"\n'
+                       'scheme = "dynamic"\nformat = "compressed-tensors"\nserves = ["dynamic"]\nbase = ["org/tiny"]\n',
+                       encoding="utf-8")
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
+           "FP8KIT_REGISTRY": str(overlay)}
+    code = ("import locale; from fp8kit.registry import load; "
+            "print(locale.getpreferredencoding(False), [v.repo_id for v in load() if v.source == 'overlay'])")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-1000:]
+    assert proc.stdout.split()[0] != "UTF-8" and "me/tiny-FP8-Dynamic" in proc.stdout, proc.stdout
+
+
+def test_cache_rm_strips_a_pasted_name(tmp_path):
+    from fp8kit.registry.cache import model_dir
+
+    name = "me/tiny"
+    (model_dir(name) / "c0ffee" / "e").mkdir(parents=True)
+    (model_dir(name) / "c0ffee" / "dynamic-compressed-tensors-fp8kit0.lock").write_text("")
+    result = CliRunner().invoke(main, ["cache", "rm", f"  {name} "])
+    assert result.exit_code == 0 and not model_dir(name).exists(), result.output

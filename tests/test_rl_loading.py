@@ -410,3 +410,25 @@ def test_checkpoint_saved_without_the_model_prefix_loads_in_fp8(tmp_path):
                                lora_rank=2)
     with torch.no_grad():
         assert torch.equal(fp8(input_ids=IDS).logits, reference(input_ids=IDS).logits)
+
+
+def test_a_quantized_vision_tower_gets_no_lora(tmp_path):
+    """A checkpoint of another tool that quantizes a vision tower's q_proj: LoRA went on it (a target's name), and
+    the adapter's exclude_modules then told peft to drop those weights."""
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+
+    src = build_checkpoint(tmp_path / "src", "gemma3_mm", torch.bfloat16, seed=3)
+    out = Path(convert(src, tmp_path / "fp8", scheme="dynamic").out)
+    tensors = load_file(out / "model.safetensors")
+    name = "vision_tower.encoder.layers.0.self_attn.q_proj"
+    tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"] = quantize_weight(
+        tensors[f"{name}.weight"].float(), SCHEMES["dynamic"], torch.bfloat16)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["ignore"] = [n for n in qc["ignore"] if not n.endswith("vision_tower.encoder.layers.0.self_attn.q_proj")]
+    (out / "config.json").write_text(json.dumps(config))
+    model = load_fp8_model(out, torch.float32, lora_rank=4)
+    vision_q = model.get_submodule("model." + name)
+    assert isinstance(vision_q, FP8LoRALinear) and not vision_q.rank
+    assert lora_modules(model) and not [n for n in lora_modules(model) if "vision_tower" in n]

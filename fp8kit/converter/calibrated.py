@@ -134,7 +134,8 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
         quantized=quantized, ignored=ignored, bytes_in=sum(t.nbytes for t in tensors.values()),
         bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
         peak_rss_bytes=peak_rss_bytes(), peak_gpu_bytes=None, files=files,
-        warnings=warnings + [f"calibrated on {len(samples)} sequences from {calibration.name}"])
+        warnings=warnings + [f"calibrated on {len(samples)} sequences from {calibration.name}"],
+        unmatched_ignore=sel.unmatched_ignore)
 
 
 def _is_linear(module) -> bool:

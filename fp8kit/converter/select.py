@@ -43,6 +43,7 @@ class Selection:
     quantize: list[str] = field(default_factory=list)  # module names (tensor name without ".weight")
     keep: list[str] = field(default_factory=list)  # 2-D non-embedding weights left in source precision
     warnings: list[str] = field(default_factory=list)
+    unmatched_ignore: list[str] = field(default_factory=list)  # --ignore patterns that matched no weight (warned)
 
 
 def natural_key(name: str):
@@ -207,7 +208,7 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
             f"(engines load a layer's experts with one quantization): {', '.join(layers[:4])}"
             f"{' ...' if len(layers) > 4 else ''}")
     modules = {*map(_module, tensors), "lm_head"}  # lm_head: always kept
-    unmatched = [p.pattern for p in patterns if not any(p.search(name) for name in modules)]
+    unmatched = sel.unmatched_ignore = [p.pattern for p in patterns if not any(p.search(name) for name in modules)]
     if unmatched:
         sel.warnings.append(
             f"--ignore {', '.join(repr(u) for u in unmatched)} matched no weight: patterns are searched in module "

@@ -54,6 +54,7 @@ class ConvertReport:
     peak_gpu_bytes: int | None
     files: list[str]
     warnings: list[str] = field(default_factory=list)
+    unmatched_ignore: list[str] = field(default_factory=list)  # --ignore patterns that matched no weight
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -475,4 +476,4 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
         bytes_in=bytes_in, bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
         peak_rss_bytes=peak_rss_bytes(),
         peak_gpu_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
-        files=files, warnings=warnings)
+        files=files, warnings=warnings, unmatched_ignore=sel.unmatched_ignore)

@@ -361,11 +361,10 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
                             report = convert(src_dir, own, scheme=scheme, format=fmt, ignore=ignore,
                                              lm_head=lm_head, kv_cache=kv_cache, calibration=calibration)
                         conversion = own
-                        # fp8-convert warns; the card and fp8kit.json would name the pattern as if it kept layers
-                        unmatched = next((w for w in report.warnings if w.startswith("--ignore ")
-                                          and " matched no weight" in w), None)
-                        if unmatched:
-                            raise Fp8kitError(f"{src}: {unmatched}; correct or drop it")
+                        if report.unmatched_ignore:  # fp8-convert warns; the card would name it as keeping layers
+                            raise Fp8kitError(f"{src}: --ignore {', '.join(map(repr, report.unmatched_ignore))} "
+                                              f"matched no weight (patterns are searched in module names, without "
+                                              f"'.weight'); correct or drop it")
                     else:
                         conversion = cached_conversion(str(src_dir) if local else src, scheme, fmt)
                     step = "validating"

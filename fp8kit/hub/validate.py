@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from fp8kit.errors import Fp8kitError
 from fp8kit.quality import load_causal_lm, logit_drift, perplexity, quiet
 
 SAMPLE = Path(__file__).parents[1] / "data" / "sample.txt"
@@ -20,8 +21,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 
 
 def sample_ids(src: Path, max_tokens: int = 512, seed: int = 0) -> tuple[torch.Tensor, str]:
-    from fp8kit.errors import Fp8kitError
-
     config = json.loads((src / "config.json").read_text())
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     vocab = config.get("vocab_size") or text_config.get("vocab_size")

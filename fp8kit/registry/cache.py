@@ -201,9 +201,10 @@ def _record_local_name(name: str, model: Path) -> None:
     tmp.replace(model / SOURCE_NAME)
 
 
-def _source_name(model: Path) -> str | None:
+def _recorded_name(file: Path) -> str | None:
+    """The NAME a model folder's source file or an entry's marker records, if it is readable."""
     try:
-        info = json.loads((model / SOURCE_NAME).read_text())
+        info = json.loads(file.read_text())
     except (OSError, ValueError):
         return None
     return info.get("name") if isinstance(info, dict) and isinstance(info.get("name"), str) else None
@@ -336,14 +337,8 @@ def _unfinished_name(model: Path, commit: Path) -> str | None:
     legacy `org--name@rev` folder: `org/name@rev`); a local checkpoint's path as a finished entry beside it
     records it, else None."""
     if model.name.startswith("local--"):
-        for marker in [model / SOURCE_NAME, *sorted(model.glob(f"*/*/{MARKER}"))]:
-            try:
-                info = json.loads(marker.read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(info, dict) and isinstance(info.get("name"), str):
-                return info["name"]
-        return None
+        return next(filter(None, map(_recorded_name, [model / SOURCE_NAME, *sorted(model.glob(f"*/*/{MARKER}"))])),
+                    None)
     org, sep, repo = model.name.partition("--")
     if not sep:
         return None
@@ -429,7 +424,7 @@ def remove(name: str | None = None) -> list[Path]:
             return unfinished + removed
         recorded = {Path(row["path"]).parent.parent for row in list_entries() if row["name"] == recorded_as}
         # a local checkpoint whose only conversion was killed (no marker records it) is named by its source file
-        recorded |= {p for p in ours if _source_name(p) == recorded_as}
+        recorded |= {p for p in ours if _recorded_name(p / SOURCE_NAME) == recorded_as}
         targets = [p for p in ours if p == model_dir(name) or p in recorded]
     else:
         targets = ours

@@ -306,9 +306,8 @@ def _rewards(reward_funcs, weights, prompts, completions_text, completion_ids, e
     per_func = {}
     names = [str(getattr(func, "__name__", i)) for i, func in enumerate(reward_funcs)]
     for i, func in enumerate(reward_funcs):
-        # two functions of one name (two lambdas) would share one metric: the later ones get _1, _2
-        name = names[i] if names.count(names[i]) == 1 or names.index(names[i]) == i else \
-            f"{names[i]}_{names[:i].count(names[i])}"
+        earlier = names[:i].count(names[i])  # two functions of one name (two lambdas): the later get _1, _2
+        name = f"{names[i]}_{earlier}" if earlier else names[i]
         returned = func(prompts=prompts, completions=completions_text, completion_ids=completion_ids, **extra)
         if isinstance(returned, torch.Tensor) and returned.dim() == 2 and returned.shape[-1] == 1:
             returned = returned[:, 0]  # a column of rewards, [n, 1]
