@@ -4,7 +4,8 @@ A stack of Qwen3-8B-shaped decoder layers (hidden 4096, MLP 12288, 32 heads, 8 K
 LoRA rank 32 on every projection; forward + backward of a batch, tokens/s and peak memory, for BF16 (fp8kit's
 LoRA layer and PEFT's forward) and for FP8 with each backend and scheme, eager and under torch.compile, with the
 exact or the FP8 input gradient (fp8bwd), with the layer's default fast accumulation or float32 promotion
-(f32acc), and for blocks on the Triton GEMM that GPUs without cuBLAS block scaling run (tritongemm). Each FP8
+(f32acc), for blocks on the Triton GEMM that GPUs without cuBLAS block scaling run (tritongemm), and with
+transformers' MLP instead of the fused SiLU-multiply-quantize kernel load_fp8_model gives it (unfused). Each FP8
 row is compared with the faster BF16 row of its own mode. Backends this machine cannot run (fbgemm-gpu-genai or
 torchao missing, a scheme the library or GPU lacks) get a row with the reason instead of numbers. Writes
 evals/results/fp8_lora.json, rewritten after every variant so that a run cut short keeps what it measured.
@@ -61,6 +62,7 @@ def build(layers: int, variant: str, rank: int):
     from fp8kit.converter.schemes import SCHEMES, quantize_weight
     from fp8kit.rl import FP8LoRALinear
     from fp8kit.rl.bf16_lora import LoRALinear
+    from fp8kit.rl.fp8_mlp import fuse_gated_mlps
 
     variant, compile = variant.removesuffix("+compile"), variant.endswith("+compile")
     torch.manual_seed(0)
@@ -83,6 +85,8 @@ def build(layers: int, variant: str, rank: int):
                                 fp8_backward="fp8bwd" in option, fast_accum=False if "f32acc" in option else None)
         setattr(model.get_submodule(parent), leaf, new)
         del module
+    if not variant.startswith("bf16") and "unfused" not in fp8_variant(variant)[2]:
+        fuse_gated_mlps(model)  # as load_fp8_model and load_model build FP8 models
     for n, p in model.named_parameters():
         p.requires_grad_("lora_" in n)
     if compile:  # regional compilation: each decoder layer, the same for every variant
@@ -168,7 +172,8 @@ def profile(step, top: int = 30) -> dict:
             "top": [[name, round(ms, 3), calls] for name, (ms, calls) in ranked[:top]]}
 
 
-DEFAULT_VARIANTS = ("bf16,bf16-peft,dynamic/torch,dynamic/triton,dynamic/triton/fp8bwd,block/torch,block/triton,"
+DEFAULT_VARIANTS = ("bf16,bf16-peft,dynamic/torch,dynamic/triton,dynamic/triton/fp8bwd,dynamic/triton/fp8bwd/unfused,"
+                    "block/torch,block/triton,"
                     "block/triton/fp8bwd,tensor/triton,tensor/triton/fp8bwd,"
                     "bf16+compile,bf16-peft+compile,dynamic/triton+compile,dynamic/triton/fp8bwd+compile,"
                     "tensor/triton/fp8bwd+compile,dynamic/torch/fp8bwd+compile,dynamic/triton/fp8bwd/f32acc+compile,"
@@ -176,8 +181,9 @@ DEFAULT_VARIANTS = ("bf16,bf16-peft,dynamic/torch,dynamic/triton,dynamic/triton/
 
 
 # fp8bwd: the input gradient in FP8 too; f32acc: no fast accumulation; tritongemm: block GEMMs on fp8kit's Triton
-# kernel, as on GPUs where cuBLAS cannot scale blocks (L4, RTX 40/50, Blackwell), instead of cuBLAS
-OPTIONS = ("fp8bwd", "f32acc", "tritongemm")
+# kernel, as on GPUs where cuBLAS cannot scale blocks (L4, RTX 40/50, Blackwell), instead of cuBLAS; unfused:
+# transformers' MLP forward instead of the fused SiLU-multiply-quantize kernel that load_fp8_model gives the MLPs
+OPTIONS = ("fp8bwd", "f32acc", "tritongemm", "unfused")
 
 
 def fp8_variant(variant: str) -> tuple[str, str, set[str]]:
@@ -234,9 +240,10 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS,
-                    help="comma-separated: bf16, bf16-peft and scheme/backend[/fp8bwd][/f32acc][/tritongemm], each "
-                         "optionally +compile (fp8bwd: the input-gradient GEMM in FP8 too; f32acc: FP8 GEMMs without "
-                         "fast accumulation; tritongemm: block GEMMs on fp8kit's Triton kernel, as off SM90; "
+                    help="comma-separated: bf16, bf16-peft and scheme/backend[/fp8bwd][/f32acc][/tritongemm][/unfused], "
+                         "each optionally +compile (fp8bwd: the input-gradient GEMM in FP8 too; f32acc: FP8 GEMMs "
+                         "without fast accumulation; tritongemm: block GEMMs on fp8kit's Triton kernel, as off SM90; "
+                         "unfused: transformers' MLP forward, not the fused SiLU-multiply-quantize kernel; "
                          "+compile: torch.compile each decoder layer)")
     ap.add_argument("--profile", action="store_true", help="add each variant's GPU time per kernel for one step")
     ap.add_argument("--budget-s", type=float, default=None,

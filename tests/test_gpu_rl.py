@@ -169,6 +169,92 @@ def test_compiled_layer_matches_eager(scheme, backend):
                    run_got=torch.compile(compiled, fullgraph=True))
 
 
+def _mismatched_share(a, b):
+    return float((a.view(torch.uint8 if a.element_size() == 1 else torch.int16)
+                  != b.view(torch.uint8 if b.element_size() == 1 else torch.int16)).float().mean())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scheme", ["dynamic", "block"])
+@pytest.mark.parametrize("n", [1152, 12288, 5248])  # one block; the MLP bench's width, three loop trips; a partial
+def test_silu_mul_quant_kernel_computes_torch_s_mlp(scheme, dtype, n):  # last block
+    """h = silu(g) * u as transformers computes it (two roundings), its FP8 form as quantize_activation writes it
+    from that h, and the backward's gradients as autograd computes them. The kernels evaluate torch's formulas in
+    float32; h, dg and du may differ in a last bit where float32 contraction (FMA) rounds otherwise, never more."""
+    import torch.nn.functional as F
+
+    from fp8kit.rl.triton_quant import silu_mul_backward_op, silu_mul_quant_op
+
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    g = (torch.randn(300, n, device="cuda", generator=gen) * 3).to(dtype).requires_grad_()
+    u = (torch.randn(300, n, device="cuda", generator=gen) * 2).to(dtype).requires_grad_()
+    want = F.silu(g) * u
+    h, q, s = silu_mul_quant_op(g.detach(), u.detach(), scheme)
+    assert _mismatched_share(h, want.detach()) < 1e-4
+    assert ((h.float() - want.detach().float()).abs() <= want.detach().float().abs() * 2 ** -7 + 1e-30).all()
+    q_want, s_want = quantize_activation(h, scheme)  # its quantization of its own h: the same bytes
+    assert torch.equal(s, s_want) and torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))
+    dh = torch.randn(300, n, device="cuda", generator=gen).to(dtype)
+    want.backward(dh)
+    dg, du = silu_mul_backward_op(dh, g.detach(), u.detach())
+    for got, ref in ((dg, g.grad), (du, u.grad)):
+        assert _mismatched_share(got, ref) < 1e-3
+        assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -6 + 1e-6).all()
+
+
+def _qwen3_with_fp8_mlps(scheme, backend, seed=0):
+    from transformers import Qwen3Config, Qwen3Model
+
+    from fp8kit.rl.fp8_mlp import fuse_gated_mlps
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=4, head_dim=64, vocab_size=128)
+    model = Qwen3Model(config).to(torch.bfloat16)
+    for name, module in list(model.named_modules()):
+        if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            w_q, w_s = quantize_weight(module.weight.detach().float(), SCHEMES[scheme], torch.float32)
+            new = FP8LoRALinear(w_q, w_s, scheme, rank=8, dtype=torch.bfloat16, backend=backend, fp8_backward=True)
+            with torch.no_grad():
+                new.lora_B.normal_(std=0.02)
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, new)
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    assert fuse_gated_mlps(model) == 2
+    return model.cuda()
+
+
+def _run(model, x, up, compiled=False):
+    model.zero_grad()
+    xx = x.clone().requires_grad_()
+    fn = model
+    if compiled:
+        torch._dynamo.reset()
+        for layer in model.layers:
+            layer.compile(fullgraph=True)
+    y = fn(inputs_embeds=xx, use_cache=False).last_hidden_state
+    (y.float() * up).sum().backward()
+    return [y.detach(), xx.grad] + [p.grad.clone() for n, p in model.named_parameters() if "lora_" in n]
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+def test_fused_mlp_computes_transformers_mlp_on_cuda(scheme):
+    """A Qwen3 stack with the fused SiLU-multiply-quantize MLP computes what it computes with transformers' MLP
+    (the triton backend both ways), outputs and every gradient: eager, where the kernels run, the same bytes but
+    for h's rare last-bit differences; compiled, where the fused forward hands the MLP back to Inductor."""
+    fused = _qwen3_with_fp8_mlps(scheme, "triton")
+    plain = _qwen3_with_fp8_mlps(scheme, "triton")
+    for module in plain.modules():
+        module.__dict__.pop("forward", None)  # back to the class's forward
+    x = torch.randn(2, 160, 512, device="cuda").to(torch.bfloat16)
+    up = torch.randn(2, 160, 512, device="cuda")
+    for compiled in (False, True):
+        want, got = _run(plain, x, up, compiled), _run(fused, x, up, compiled)
+        for a, b in zip(got, want):
+            assert ((a.float() - b.float()).norm() / b.float().norm()) < 5e-3
+
+
 LIBRARIES = {"fbgemm": "fbgemm_gpu", "torchao": "torchao"}
 
 

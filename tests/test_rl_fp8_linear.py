@@ -708,3 +708,60 @@ def test_an_adapter_is_not_saved_while_disabled_and_a_missing_alpha_is_peft_s_de
     save_file(load_file(weights), weights)  # as an adapter of other tools: no fp8kit stamp in its metadata
     load_adapter(model, tmp_path / "a")
     assert {m.scaling for m in model.modules() if isinstance(m, FP8LoRALinear) and m.rank} == {2.0}
+
+
+def _outputs_and_grads(model, compiled=False):
+    model.zero_grad()
+    fn = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    logits = fn(input_ids=IDS).logits
+    (logits.float() ** 2).mean().backward()
+    return [logits.detach()] + [p.grad.clone() for n, p in model.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "block"])
+def test_gated_mlps_run_fused_and_compute_transformers_mlp(fp8_dirs, scheme, monkeypatch):
+    """Every Llama MLP gets the fused SiLU-multiply-quantize forward; on the CPU (reference backend: the fused
+    wiring in torch ops) it computes transformers' MLP to the bit, LoRA gradients included. Traced by torch.compile,
+    and on the torch backend (Inductor fuses the quantization itself), the MLP runs transformers' forward."""
+    from fp8kit.rl import fp8_mlp
+
+    fused = load_fp8_model(fp8_dirs[scheme], dtype=torch.bfloat16, lora_rank=4)
+    plain = load_fp8_model(fp8_dirs[scheme], dtype=torch.bfloat16, lora_rank=4)
+    mlps = [m for n, m in fused.named_modules() if n.endswith(".mlp")]
+    assert mlps and all("forward" in m.__dict__ for m in mlps)
+    for module in plain.modules():
+        module.__dict__.pop("forward", None)
+    for p in plain.parameters():  # non-zero B, so the down projection's LoRA input h matters
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(p.numel()))
+    fused.load_state_dict(plain.state_dict())
+    calls = []
+    real = fp8_mlp.silu_mul_quant
+    monkeypatch.setattr(fp8_mlp, "silu_mul_quant", lambda *a: calls.append(a[3]) or real(*a))
+    for compiled in (False, True):  # traced, LoRA is added out of place (add_lora): compared with plain traced
+        want = _outputs_and_grads(plain, compiled)
+        assert not calls
+        got = _outputs_and_grads(fused, compiled)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+        assert calls == ([] if compiled else ["reference"] * len(mlps))
+        calls.clear()
+    for m in fused.modules():
+        if isinstance(m, FP8LoRALinear):
+            m.backend = "torch"
+    if scheme == "dynamic":  # the torch backend's block GEMM needs a GPU
+        with torch.no_grad():
+            fused(input_ids=IDS)
+        assert not calls
+
+
+def test_mlps_that_are_not_silu_gated_fp8_keep_their_forward(odd_llama_dir, tmp_path):
+    """Gemma 3's MLP (GELU) and an MLP the block converter kept in BF16 (width 320) keep transformers' forward."""
+    from fp8kit.rl.fp8_mlp import fuse_gated_mlps
+
+    gemma = load_fp8_model(convert(build_checkpoint(tmp_path / "g", "gemma3", torch.bfloat16, seed=3),
+                                   tmp_path / "gq", scheme="dynamic").out, dtype=torch.float32)
+    odd = load_fp8_model(convert(odd_llama_dir, tmp_path / "oq", scheme="block").out, dtype=torch.float32)
+    for model in (gemma, odd):
+        mlps = [m for n, m in model.named_modules() if n.endswith(".mlp")]
+        assert mlps and not any("forward" in m.__dict__ for m in mlps)
+        assert fuse_gated_mlps(model) == 0

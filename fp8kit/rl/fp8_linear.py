@@ -281,11 +281,13 @@ def _quantize_output_grad(g2: torch.Tensor, weight_scale: torch.Tensor, scheme: 
 
 class _FP8MatMul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, x2, weight, weight_scale, scheme, backend, fp8_backward, fast_accum):
-        """x: the layer's input as given (its identity keys the quantization cache); x2: x as [M, in]."""
+    def forward(ctx, x, x2, weight, weight_scale, scheme, backend, fp8_backward, fast_accum, xq=None, xs=None):
+        """x: the layer's input as given (its identity keys the quantization cache); x2: x as [M, in]; xq, xs: x2
+        already quantized for this scheme (fp8_mlp's fused kernel), if given."""
         if backend in LIBRARY_BACKENDS:
             kernel_backends.check(backend, scheme, x2.device, x2.dtype)
-        xq, xs = _quantize_input_once(x, x2, scheme, backend)
+        if xq is None:
+            xq, xs = _quantize_input_once(x, x2, scheme, backend)
         y = fp8_matmul(xq, xs, weight, weight_scale, scheme, x2.dtype, backend, fast_accum)
         ctx.save_for_backward(weight, weight_scale)
         ctx.scheme, ctx.backend, ctx.fp8_backward, ctx.fast_accum = scheme, backend, fp8_backward, fast_accum
@@ -306,7 +308,7 @@ class _FP8MatMul(torch.autograd.Function):
             # fp16 would flush small scaled weights to subnormals: dequantize in float32 first
             dtype = torch.float32 if grad_out.dtype == torch.float16 else grad_out.dtype
             grad_in = grad_out @ dequantize_weight(weight, weight_scale, ctx.scheme, dtype).to(grad_out.dtype)
-        return None, grad_in, None, None, None, None, None, None
+        return None, grad_in, None, None, None, None, None, None, None, None
 
 
 def init_lora(module: nn.Module, rank: int, alpha: float | None, dropout: float, dtype: torch.dtype,
@@ -387,11 +389,14 @@ class FP8LoRALinear(nn.Module):
                            if fast_accum is None else bool(fast_accum))
         init_lora(self, rank, alpha, dropout, dtype, weight.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x_fp8: x already quantized as quantize_activation quantizes it for this layer's scheme (values [M, in],
+        scales), by the kernel that computed x (fp8_mlp)."""
         backend = self.backend or pick_backend(x.device)
         x2 = x.reshape(-1, self.in_features)
+        xq, xs = x_fp8 if x_fp8 is not None else (None, None)
         y = _FP8MatMul.apply(x, x2, self.weight, self.weight_scale, self.scheme, backend, self.fp8_backward,
-                             self.fast_accum)
+                             self.fast_accum, xq, xs)
         if self.bias is not None:
             y = y.add_(self.bias)
         return add_lora(self, x2, y).reshape(*x.shape[:-1], self.out_features)

@@ -26,6 +26,7 @@ from fp8kit.converter.select import NOT_LANGUAGE
 from fp8kit.errors import Fp8kitError
 from fp8kit.rl.bf16_lora import LoRALinear
 from fp8kit.rl.fp8_linear import GROUP, FP8LoRALinear
+from fp8kit.rl.fp8_mlp import fuse_gated_mlps
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -301,6 +302,7 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, layer)
     seed_lora(model, seed)
+    fuse_gated_mlps(model)
     placed = {f"{m}.{leaf}" for m in lora_linears for leaf in ("weight", scale_suffix, "bias")}
     for key in tensors:
         # static activation and KV-cache scales serve vLLM; the trainer quantizes activations dynamically and

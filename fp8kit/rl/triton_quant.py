@@ -1,5 +1,6 @@
-"""Fused Triton kernels around the FP8 GEMMs: activation quantization (amax, scale and cast in one pass) and
-the transposed FP8 weight copy that the input-gradient GEMM reads.
+"""Fused Triton kernels around the FP8 GEMMs: activation quantization (amax, scale and cast in one pass), the
+gated MLP's SiLU and multiply with the down projection's quantization (and their backward), and the transposed
+FP8 weight copy that the input-gradient GEMM reads.
 
 Quantizing with eager torch ops before torch._scaled_mm takes an H100 from 1350 to 471-807 TFLOP/s
 (../shared/gpu/README.md); one kernel reads the activation once and writes FP8 and scales. The arithmetic
@@ -11,6 +12,7 @@ the product x * col is rounded to float32 first, as fp8_linear.quantize_grad doe
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from fp8kit.rl.fp8_linear import FP8_MAX, GROUP, MIN_SCALE
 
@@ -85,6 +87,123 @@ def _(x, scheme, col_scale=None, min_scale=MIN_SCALE):
     M, K = x.shape
     scales = K // GROUP if scheme == "block" else 1
     return (x.new_empty((M, K), dtype=torch.float8_e4m3fn), x.new_empty((M, scales), dtype=torch.float32))
+
+
+@triton.jit
+def _silu(g, dtype: tl.constexpr):
+    """torch's SiLU of a 16-bit tensor: g / (1 + exp(-g)) in float32 (IEEE division, libdevice's expf, as ATen's
+    CUDA kernel computes it), rounded to the tensor's dtype, and the sigmoid its backward uses."""
+    denominator = 1.0 + libdevice.exp(-g)
+    return tl.math.div_rn(g, denominator).to(dtype).to(tl.float32), tl.math.div_rn(1.0, denominator)
+
+
+@triton.jit
+def _silu_mul_quant_rows(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, N, BLOCK: tl.constexpr, FMAX: tl.constexpr,
+                         SMIN: tl.constexpr):
+    """One row: h = silu(g) * u, rounded as torch rounds each op (silu's output, then the product), written; its
+    per-row FP8 quantization from a second pass over h (this program's own writes, still in L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    dtype = h_ptr.dtype.element_ty
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        g = tl.load(g_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        s, _ = _silu(g, dtype)
+        h = (s * u).to(dtype)
+        tl.store(h_ptr + row * N + cols, h, mask=mask)
+        amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / FMAX, SMIN)
+    tl.debug_barrier()  # every thread's h stores before any thread reads them back
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        h = tl.load(h_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(h, scale), -FMAX, FMAX)
+        tl.store(q_ptr + row * N + cols, q.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _silu_mul_quant_groups(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, N, n_groups, GROUP_SIZE: tl.constexpr,
+                           GROUPS: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr):
+    """GROUPS consecutive 1xGROUP_SIZE groups of one row: h as in _silu_mul_quant_rows, quantized per group in the
+    same pass."""
+    row = tl.program_id(0).to(tl.int64)
+    dtype = h_ptr.dtype.element_ty
+    grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = grp[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
+    mask = (grp[:, None] < n_groups) & (cols < N)
+    g = tl.load(g_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    s, _ = _silu(g, dtype)
+    h = (s * u).to(dtype)
+    tl.store(h_ptr + row * N + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(hf), axis=1) / FMAX, SMIN)
+    q = tl.clamp(tl.math.div_rn(hf, scale[:, None]), -FMAX, FMAX)
+    tl.store(q_ptr + row * N + cols, q.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + row * n_groups + grp, scale, mask=grp < n_groups)
+
+
+@triton.jit
+def _silu_mul_backward(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
+    """The gradients of h = silu(g) * u as torch's autograd computes them: du = dh * silu(g) and d(silu) = dh * u,
+    each rounded, then silu's backward dg = d(silu) * sig * (1 + g * (1 - sig)) (ATen's silu_backward)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dtype = dg_ptr.dtype.element_ty
+    dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s, sig = _silu(g, dtype)
+    tl.store(du_ptr + offs, (dh * s).to(dtype), mask=mask)
+    ds = (dh * u).to(dtype).to(tl.float32)
+    tl.store(dg_ptr + offs, (ds * sig * (1.0 + g * (1.0 - sig))).to(dtype), mask=mask)
+
+
+@torch.library.custom_op("fp8kit::silu_mul_quant", mutates_args=())
+def silu_mul_quant_op(g: torch.Tensor, u: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, q, s) for 2-D g and u: h = silu(g) * u in their dtype, and h quantized as quantize_activation quantizes
+    it for `scheme` (per row, or per 1x128 group for "block"). One opaque operator under torch.compile."""
+    g, u = g.contiguous(), u.contiguous()
+    M, N = g.shape
+    h = torch.empty_like(g)
+    q = torch.empty((M, N), dtype=torch.float8_e4m3fn, device=g.device)
+    if scheme == "block":
+        n_groups, groups = N // GROUP, 8
+        s = torch.empty((M, n_groups), dtype=torch.float32, device=g.device)
+        _silu_mul_quant_groups[(M, triton.cdiv(n_groups, groups))](g, u, h, q, s, N, n_groups, GROUP_SIZE=GROUP,
+                                                                   GROUPS=groups, FMAX=FP8_MAX, SMIN=MIN_SCALE)
+    else:
+        s = torch.empty((M, 1), dtype=torch.float32, device=g.device)
+        block = min(4096, triton.next_power_of_2(N))
+        _silu_mul_quant_rows[(M,)](g, u, h, q, s, N, BLOCK=block, FMAX=FP8_MAX, SMIN=MIN_SCALE,
+                                   num_warps=max(4, block // 512))
+    return h, q, s
+
+
+@silu_mul_quant_op.register_fake
+def _(g, u, scheme):
+    M, N = g.shape
+    return (torch.empty_like(g), g.new_empty((M, N), dtype=torch.float8_e4m3fn),
+            g.new_empty((M, N // GROUP if scheme == "block" else 1), dtype=torch.float32))
+
+
+@torch.library.custom_op("fp8kit::silu_mul_backward", mutates_args=())
+def silu_mul_backward_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dg, du) of h = silu(g) * u, one elementwise pass."""
+    dh, g, u = dh.contiguous(), g.contiguous(), u.contiguous()
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    n, block = g.numel(), 4096
+    _silu_mul_backward[(triton.cdiv(n, block),)](dh, g, u, dg, du, n, BLOCK=block, num_warps=8)
+    return dg, du
+
+
+@silu_mul_backward_op.register_fake
+def _(dh, g, u):
+    return torch.empty_like(g), torch.empty_like(u)
 
 
 @triton.jit
