@@ -368,3 +368,34 @@ def test_the_rl_package_exports_what_a_run_needs():
     import fp8kit.rl as rl
 
     assert rl.load_model is load_model and rl.train is train and rl.GRPOConfig is GRPOConfig
+
+
+def test_what_vllm_would_refuse_of_the_model_is_refused_before_converting_or_starting_it(tiny_fp8, tmp_path,
+                                                                                           monkeypatch):
+    """float16 for Gemma 3 (vLLM keeps it from gemma2/gemma3/glm4...) and a max_seq_length past the model's positions
+    fail in one line before the conversion of an original and before vLLM starts: the vLLM path is taken on this
+    CPU machine by reporting a GPU and vLLM, and the engine is never reached."""
+    from fp8kit.rl import loader
+    from fp8kit.rl import model as rl_model
+
+    def as_if_a_gpu_with_vllm():
+        monkeypatch.setattr(rl_model, "_vllm_available", lambda: True)
+        for module in (rl_model, loader):
+            monkeypatch.setattr(module, "check_device", lambda device: torch.device("cuda"))
+
+    as_if_a_gpu_with_vllm()
+    monkeypatch.setattr(rl_model, "_checkpoint", lambda *a: pytest.fail("converted before refusing"))
+    gemma = build_checkpoint(tmp_path / "gemma", "gemma3", torch.bfloat16, seed=3)
+    add_tokenizer(gemma, "the quick brown fox " * 20, vocab_size=300)
+    with pytest.raises(Fp8kitError, match=r"gemma: vLLM does not run gemma3_text in float16.*dtype=torch.bfloat16"):
+        load_model(str(gemma), dtype=torch.float16, lora_rank=16)
+    with pytest.raises(Fp8kitError, match=r"gemma: max_seq_length=257 is past the model's 256 positions.*"
+                                          r"max_seq_length=256 or less"):
+        load_model(str(gemma), max_seq_length=257, lora_rank=16)
+    monkeypatch.undo()
+    as_if_a_gpu_with_vllm()
+    monkeypatch.setattr(rl_model, "_tokenizer", lambda path: pytest.fail("went on past the checks"))
+    with pytest.raises(Fp8kitError, match=r"llama-fp8: max_seq_length=300 is past the model's 256 positions"):
+        load_model(str(tiny_fp8), max_seq_length=300, lora_rank=16)
+    monkeypatch.undo()
+    load_model(str(tiny_fp8), max_seq_length=300, lora_rank=16, fast_inference=False, device="cpu")  # transformers'

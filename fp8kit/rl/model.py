@@ -11,7 +11,8 @@ from fp8kit.errors import Fp8kitError
 from fp8kit.rl.loader import (DEFAULT_SEED, _one_line, check_device, check_seed, load_fp8_model, load_lora_model,
                                lora_targets, read_config, static_activation_scales)
 from fp8kit.rl.rollout import HFRollout
-from fp8kit.rl.vllm_engine import VLLM_MULTIMODAL, check_engine_kwargs, check_rollout_arguments, has_tower
+from fp8kit.rl.vllm_engine import (VLLM_MULTIMODAL, check_engine_kwargs, check_rollout_arguments, check_rollout_model,
+                                   has_tower)
 
 
 # what AutoTokenizer reads: a fast tokenizer's file, the config naming the class, or a slow tokenizer's vocabulary
@@ -68,8 +69,12 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
     local = Path(name).expanduser()
     if local.is_dir() and read_config(local)[1] is None:  # an original to convert: its tokenizer before minutes of work
         _check_tokenizer_files(local)
+        if with_vllm:
+            check_rollout_model(read_config(local)[0], local, dtype, max_seq_length)
     path = _checkpoint(str(name), load_in_fp8)
     config, scheme = read_config(path)
+    if with_vllm:
+        check_rollout_model(config, path, dtype, max_seq_length)
     architecture = (getattr(config, "architectures", None) or [config.model_type])[0]
     if with_vllm and has_tower(config) and architecture not in VLLM_MULTIMODAL:
         raise Fp8kitError(f"{path}: {architecture} has a vision or audio tower; vLLM rollouts sharing the trainer's "

@@ -144,6 +144,40 @@ def check_rollout_arguments(dtype: torch.dtype, lora_rank: int) -> None:
                           f"pick one of them (or fast_inference=False)")
 
 
+# vLLM 0.25 refuses float16 for these model types (vllm/config/model.py, _FLOAT16_NOT_SUPPORTED_MODELS: "Numerical
+# instability. Please use bfloat16 or float32 instead.")
+VLLM_NO_FLOAT16 = ("gemma2", "gemma3", "gemma3_text", "plamo2", "glm4")
+
+
+def _rope_scaled(text_config) -> bool:
+    """Whether the RoPE configuration scales positions (a factor, YaRN, LongRoPE, Llama 3's), which lets vLLM serve
+    past max_position_embeddings; transformers 5 keeps it in rope_parameters, one dict or one per layer type."""
+    params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return False
+    kinds = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
+    return any(isinstance(k, dict) and (k.get("rope_type") or k.get("type") or "default") != "default" for k in kinds)
+
+
+def check_rollout_model(config, path: Path, dtype: torch.dtype, max_seq_length: int) -> None:
+    """vLLM's refusals of this model's dtype and context length, made before its engine starts (and, for an original
+    checkpoint, before the conversion): float16 for the model types vLLM keeps it from, and a max_seq_length past
+    the model's max_position_embeddings where RoPE does not scale positions (vllm/config/model.py,
+    _get_and_verify_max_len; Gemma 3's already includes its scaling, which vLLM does not apply again)."""
+    model_type = getattr(config, "model_type", "")
+    if dtype == torch.float16 and model_type in VLLM_NO_FLOAT16:
+        raise Fp8kitError(f"{path}: vLLM does not run {model_type} in float16 (numerical instability); pass "
+                          f"dtype=torch.bfloat16, or fast_inference=False")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    positions = getattr(text, "max_position_embeddings", None)
+    if (isinstance(positions, int) and max_seq_length > positions
+            and (not _rope_scaled(text) or "gemma3" in model_type)
+            and max_seq_length > (getattr(text, "model_max_length", None) or 0)):  # vLLM's override, if set
+        raise Fp8kitError(f"{path}: max_seq_length={max_seq_length} is past the model's {positions} positions "
+                          f"(max_position_embeddings in config.json), which vLLM refuses; pass "
+                          f"max_seq_length={positions} or less")
+
+
 def rollout_llm_kwargs(path: str | Path, dtype: torch.dtype, max_seq_length: int, gpu_memory_utilization: float,
                        lora_rank: int, target_modules, engine_kwargs: dict) -> dict:
     """Every argument the rollout engine's vllm.LLM gets besides the path, the input checked first."""
