@@ -126,6 +126,7 @@ def run(args):
     import torch
 
     from fp8kit import convert
+    from fp8kit.errors import Fp8kitError
     from fp8kit.rl.grpo import GRPOConfig, resume_checkpoint, train
     from fp8kit.rl.loader import check_device
     from fp8kit.rl.model import load_model
@@ -137,8 +138,15 @@ def run(args):
                         save_steps=args.save_steps)
     check_device(args.device)
     resume = resume_checkpoint(args.resume) if args.resume else None
-    if args.vllm:
+    if args.vllm:  # asked for by name: never the silent fallback to transformers' generate that load_model makes
         check_rollout_arguments(getattr(torch, args.dtype), LORA_RANK)
+        if args.device != "cuda":
+            raise Fp8kitError("--vllm: vLLM rollouts share the weights on a CUDA GPU; pass --device cuda too")
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise Fp8kitError(f"--vllm: the vllm package does not import here ({e}); install it (pip install "
+                              f"'fp8kit[gpu]') or leave --vllm out") from None
     torch.set_num_threads(max(1, torch.get_num_threads()))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="grpo-toy-"))
     t0 = time.perf_counter()

@@ -277,7 +277,10 @@ def cache():
 def cache_list(as_json):
     from fp8kit.registry.cache import list_entries, list_unfinished
 
-    rows = list_entries()
+    try:
+        rows = list_entries()
+    except Fp8kitError as e:  # the cache path is a file
+        _fail(str(e))
     unfinished = list_unfinished()
     if as_json:  # unfinished folders last, with "status": "unfinished"
         click.echo(json.dumps(rows + unfinished, indent=2))

@@ -149,6 +149,14 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32):
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        return load_model(path, dtype=dtype).eval()
+        model = load_model(path, dtype=dtype).eval()
     finally:
         transformers.logging.set_verbosity(verbosity)
+    if dtype == torch.float32:
+        # an fp8-format multimodal checkpoint (Gemma 3 it, Mistral 3) loads with its norms, towers and embeddings in
+        # bfloat16 whatever dtype is asked, beside float32 dequantized Linears: the forward then fails on the mixed
+        # matmul. float32 holds every 16-bit value exactly.
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.dtype in (torch.bfloat16, torch.float16):
+                tensor.data = tensor.data.float()
+    return model

@@ -418,3 +418,22 @@ def test_block_in_the_fp8_format_is_published_registered_and_kept_apart_from_com
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "as block (fp8), not block (compressed-tensors)" in proc.stderr
     assert [r for r in hub.requests if r[0] == "POST"] == uploads
+
+
+@pytest.mark.parametrize("arch", ["gemma3_mm", "mistral3"])
+def test_block_in_the_fp8_format_of_a_multimodal_model_validates(tmp_path, monkeypatch, arch):
+    """transformers loads an fp8-format Gemma 3 it or Mistral 3 with its norms, towers and embeddings in bfloat16
+    whatever dtype is asked; validation in float32 failed on the mixed matmul, so these catalog families could not
+    be published as block/fp8."""
+    import torch
+
+    from fp8kit.hub import publish as publish_api
+    from fp8kit.models import build_checkpoint
+
+    monkeypatch.setenv("FP8KIT_CACHE", str(tmp_path / "fp8cache"))
+    monkeypatch.setenv("FP8KIT_REGISTRY", str(tmp_path / "overlay.toml"))
+    src = build_checkpoint(tmp_path / "src", arch, torch.bfloat16, seed=1)
+    [result] = publish_api(str(src), ["block"], base_model="org/tiny-it", org="me", dry_run=True, fmt="fp8",
+                           staging=tmp_path / "staging")
+    assert result.status == "dry-run", result.error
+    assert 0 < result.metrics["kl"] < 5e-3 and result.metrics["top1"] > 0.8

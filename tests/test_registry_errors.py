@@ -51,11 +51,14 @@ def test_overlay_write_that_runs_out_of_space_leaves_the_file_whole(tmp_path, ov
                                                                     "me/gemma-3-4b-it-FP8-Block"]
 
 
-@pytest.mark.parametrize("args", [["--all"], ["org/model"]])
-def test_cache_rm_when_the_cache_path_is_a_file_is_one_line(tmp_path, monkeypatch, args):
+@pytest.mark.parametrize("args", [["cache", "rm", "--all"], ["cache", "rm", "org/model"], ["cache", "list"],
+                                  ["resolve", "org/model"]])
+def test_cache_commands_when_the_cache_path_is_a_file_are_one_line(tmp_path, monkeypatch, args):
+    """rm refused it; list showed an empty cache, and resolve printed an fp8-convert command into the file's
+    subfolder, which then failed."""
     not_a_folder = tmp_path / "fp8cache"
     not_a_folder.write_text("something else\n")
-    result = CliRunner().invoke(main, ["cache", "rm", *args])
+    result = CliRunner().invoke(main, args)
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and str(not_a_folder) in lines[0] and "FP8KIT_CACHE" in lines[0], result.stderr

@@ -765,3 +765,25 @@ def test_mlps_that_are_not_silu_gated_fp8_keep_their_forward(odd_llama_dir, tmp_
         mlps = [m for n, m in model.named_modules() if n.endswith(".mlp")]
         assert mlps and not any("forward" in m.__dict__ for m in mlps)
         assert fuse_gated_mlps(model) == 0
+
+
+def test_layer_built_by_hand_with_an_unknown_scheme_or_a_misfit_scale_is_one_line():
+    """FP8LoRALinear is public: a scheme it does not know computed as per-channel, and a scale of the wrong size
+    failed at the first forward as a torch size error."""
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+    from fp8kit.errors import Fp8kitError
+
+    w = torch.randn(256, 384, generator=torch.Generator().manual_seed(9))
+    channel, block = (quantize_weight(w, SCHEMES[s], torch.float32) for s in ("dynamic", "block"))
+    with pytest.raises(Fp8kitError, match=r"scheme 'per-channel': expected one of dynamic, block, tensor"):
+        FP8LoRALinear(*channel, "per-channel")
+    with pytest.raises(Fp8kitError, match=r"weight_scale of shape \[10, 1\]: dynamic FP8 of a 256x384 weight needs "
+                                          r"256 values \(one per output channel\)"):
+        FP8LoRALinear(channel[0], channel[1][:10], "dynamic")
+    with pytest.raises(Fp8kitError, match=r"block FP8 of a 256x384 weight needs shape \[2, 3\]"):
+        FP8LoRALinear(block[0], channel[1], "block")
+    with pytest.raises(Fp8kitError, match=r"needs one value"):
+        FP8LoRALinear(channel[0], channel[1], "tensor")
+    with pytest.raises(Fp8kitError, match=r"2-D float8_e4m3fn"):
+        FP8LoRALinear(w, channel[1], "dynamic")
+    FP8LoRALinear(block[0], block[1], "block")(torch.randn(2, 384))

@@ -89,13 +89,19 @@ def test_prompt_without_tokens_is_refused_before_training(tiny_fp8):
     assert not calls  # refused before any rollout
 
 
-def test_toy_script_refuses_vllm_with_float32_before_building_anything(tmp_path):
+def test_toy_script_refuses_vllm_with_float32_or_off_cuda_before_building_anything(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(TOY), "--workdir", str(tmp_path / "toy"), "--vllm", "--dtype",
                            "float32", "--steps", "1"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     assert proc.stderr.startswith("error: ") and "float32" in proc.stderr and "vLLM" in proc.stderr
     assert not (tmp_path / "toy").exists()  # refused before the toy model was pre-trained
+    # asked for vLLM on the CPU: it ran all its steps on transformers' generate instead
+    proc = subprocess.run([sys.executable, str(TOY), "--workdir", str(tmp_path / "toy"), "--vllm", "--steps", "1"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith("error: --vllm: ") and "--device cuda" in proc.stderr
+    assert not (tmp_path / "toy").exists()
 
 
 
@@ -307,18 +313,22 @@ def test_a_dataframe_of_prompts_is_refused_and_errors_stay_on_one_line(tiny_fp8)
     assert "\n" not in str(e.value)
 
 
-def test_gradient_checkpointing_follows_the_config_and_is_restored(tiny_fp8):
+def test_gradient_checkpointing_and_the_mode_follow_the_config_and_are_restored(tiny_fp8):
     """gradient_checkpointing=False after a run with the default kept checkpointing on, and it stayed on after
-    train() returned."""
+    train() returned; the model left train() in training mode, so LoRA dropout acted on every later forward."""
     model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    assert not model.training
     seen = []
     config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
-    train(model, tok, ["the quick"], [_zero], config, on_step=lambda _: seen.append(model.is_gradient_checkpointing))
-    assert seen == [True] and not model.is_gradient_checkpointing
+    train(model, tok, ["the quick"], [_zero], config,
+          on_step=lambda _: seen.append((model.is_gradient_checkpointing, model.training)))
+    assert seen == [(True, True)] and not model.is_gradient_checkpointing and not model.training
     model.gradient_checkpointing_enable()
+    model.train()
     config.gradient_checkpointing = False
-    train(model, tok, ["the quick"], [_zero], config, on_step=lambda _: seen.append(model.is_gradient_checkpointing))
-    assert seen == [True, False] and model.is_gradient_checkpointing
+    train(model, tok, ["the quick"], [_zero], config,
+          on_step=lambda _: seen.append((model.is_gradient_checkpointing, model.training)))
+    assert seen[1] == (False, True) and model.is_gradient_checkpointing and model.training
 
 
 def test_the_last_step_is_checkpointed_when_steps_is_not_a_multiple_of_save_steps(tiny_fp8, tmp_path):

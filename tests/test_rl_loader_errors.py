@@ -312,9 +312,12 @@ def test_save_adapter_keeps_unrelated_files_and_round_trips(fp8_dir, llama_dir, 
     assert _adapter_files(work) == ["adapter_config.json", "adapter_model.safetensors"]  # no temporaries
     assert os.stat(work / "adapter_model.safetensors").st_mode & 0o777 == 0o666 & ~_umask()
 
-    # Saving again replaces the adapter and still leaves the rest alone.
+    # Saving again replaces the adapter and still leaves the rest alone; the base may be a Path, not another type.
     model = _model(fp8_dir, seed=3)
-    save_adapter(model, work, base_model_name_or_path=str(llama_dir))
+    with pytest.raises(Fp8kitError, match=r"base_model_name_or_path=3: expected the base model's Hub name"):
+        save_adapter(model, work, base_model_name_or_path=3)
+    save_adapter(model, work, base_model_name_or_path=llama_dir)
+    assert json.loads((work / "adapter_config.json").read_text())["base_model_name_or_path"] == str(llama_dir)
     assert sorted(p.name for p in work.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "logs",
                                                       "notes.txt"]
     fresh = _model(fp8_dir, seed=4)

@@ -374,7 +374,7 @@ def list_unfinished() -> list[dict]:
 
 
 def list_entries() -> list[dict]:
-    root = cache_root()
+    root = _usable_root("nothing is listed")
     rows = []
     for marker in sorted(root.glob(f"*/*/*/{MARKER}")):
         entry = marker.parent

@@ -58,7 +58,7 @@ def _answer(name: str, scheme: str, variant: Variant) -> Resolution:
 
 
 def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = None) -> Resolution:
-    from fp8kit.registry.cache import _legacy_model_dir, known_commit, model_dir, verify
+    from fp8kit.registry.cache import _legacy_model_dir, _usable_root, known_commit, model_dir, verify
 
     from pathlib import Path
 
@@ -97,6 +97,7 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
         if scheme in v.serves:
             return _answer(name, scheme, v)
     # where cached_conversion() writes: model_dir(name) / the source's commit / entry_name
+    _usable_root("nothing was converted")  # its command would convert into a subfolder of that file
     commit = known_commit(name)
     cache = model_dir(name) / commit / entry_name(scheme) if commit else None
     cached = cache is not None and verify(cache)

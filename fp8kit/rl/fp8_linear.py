@@ -39,6 +39,22 @@ LIBRARY_BACKENDS = kernel_backends.LIBRARY_BACKENDS
 BACKENDS = ("reference", "torch", "triton", *LIBRARY_BACKENDS)
 
 
+SCHEMES = ("dynamic", "block", "tensor")
+
+
+def scale_shape_error(out_features: int, in_features: int, scale: torch.Tensor, scheme: str) -> str | None:
+    """What is wrong with `scale` as the `scheme` scale of an out x in FP8 weight, or None: one value per output
+    channel (dynamic), one value (tensor), one per 128x128 block (block)."""
+    blocks = (-(-out_features // GROUP), -(-in_features // GROUP))
+    fits = {"dynamic": scale.numel() == out_features, "tensor": scale.numel() == 1,
+            "block": tuple(scale.shape) == blocks}[scheme]
+    if fits:
+        return None
+    want = {"dynamic": f"{out_features} values (one per output channel)", "tensor": "one value",
+            "block": f"shape {list(blocks)} (one per 128x128 block)"}[scheme]
+    return f"{scheme} FP8 of a {out_features}x{in_features} weight needs {want}"
+
+
 def quantize_activation(x: torch.Tensor, scheme: str,
                         min_scale: float = MIN_SCALE) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8 [M, K], float32 scale): [M, 1] per token for per-channel and per-tensor weights (as
@@ -374,8 +390,12 @@ class FP8LoRALinear(nn.Module):
                  backend: str | None = None, fp8_backward: bool | None = None, fast_accum: bool | None = None):
         super().__init__()
         if weight.dtype != FP8 or weight.ndim != 2:
-            raise ValueError(f"weight must be a 2-D float8_e4m3fn tensor, got {weight.dtype} {tuple(weight.shape)}")
+            raise Fp8kitError(f"weight must be a 2-D float8_e4m3fn tensor, got {weight.dtype} {tuple(weight.shape)}")
+        if scheme not in SCHEMES:
+            raise Fp8kitError(f"scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
         self.out_features, self.in_features = weight.shape
+        if why := scale_shape_error(self.out_features, self.in_features, weight_scale, scheme):
+            raise Fp8kitError(f"weight_scale of shape {list(weight_scale.shape)}: {why}")
         self.scheme = scheme
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale.float())

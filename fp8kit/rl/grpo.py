@@ -518,6 +518,7 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     # (B zero), and an adapter loaded or set since (a warm start from SFT, load_adapter) reaches it only here
     rollout.sync_lora(model)
     checkpointing = getattr(model, "is_gradient_checkpointing", False)  # switched back afterwards, as dropout is
+    was_training = model.training  # and the mode: load_model returns the model in eval mode, as from_pretrained
     _set_gradient_checkpointing(model, config.gradient_checkpointing)
     dropouts = _dropouts(model) if config.disable_dropout else []
     for m, attr, _ in dropouts:
@@ -530,6 +531,7 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
             setattr(m, attr, p)
         if checkpointing != config.gradient_checkpointing:
             _set_gradient_checkpointing(model, checkpointing)
+        model.train(was_training)
 
 
 def _set_gradient_checkpointing(model: nn.Module, on: bool) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 from fp8kit.converter.select import NOT_LANGUAGE
 from fp8kit.errors import Fp8kitError
 from fp8kit.rl.bf16_lora import LoRALinear
-from fp8kit.rl.fp8_linear import GROUP, FP8LoRALinear
+from fp8kit.rl.fp8_linear import GROUP, FP8LoRALinear, scale_shape_error
 from fp8kit.rl.fp8_mlp import fuse_gated_mlps
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -337,15 +337,8 @@ def _check_fp8_layer(name: str, weight: torch.Tensor, scale: torch.Tensor, schem
         raise Fp8kitError(f"{file}: {name}.weight is {str(weight.dtype).removeprefix('torch.')} beside its "
                           f"{scale_suffix}; FP8 weights are float8_e4m3fn; {RECONVERT}")
     _check_shape(f"{name}.weight", weight, module.weight, file)
-    out_features, in_features = module.weight.shape
-    blocks = (-(-out_features // GROUP), -(-in_features // GROUP))
-    fits = {"dynamic": scale.numel() == out_features, "tensor": scale.numel() == 1,
-            "block": tuple(scale.shape) == blocks}[scheme]
-    if not fits:
-        want = {"dynamic": f"{out_features} values (one per output channel)", "tensor": "one value",
-                "block": f"shape {list(blocks)} (one per 128x128 block)"}[scheme]
-        raise Fp8kitError(f"{file}: {name}.{scale_suffix} has shape {list(scale.shape)}; {scheme} FP8 of a "
-                          f"{out_features}x{in_features} weight needs {want}; {RECONVERT}")
+    if why := scale_shape_error(*module.weight.shape, scale, scheme):
+        raise Fp8kitError(f"{file}: {name}.{scale_suffix} has shape {list(scale.shape)}; {why}; {RECONVERT}")
 
 
 def _model_for(config, dtype: torch.dtype, where: str) -> nn.Module:
@@ -589,6 +582,11 @@ def _adapter_payload(model: nn.Module, base_model_name_or_path: str | None) -> t
     (load_model's name, or the checkpoint loaded): peft's AutoPeftModelForCausalLM opens the base from it."""
     if base_model_name_or_path is None:
         base_model_name_or_path = str(getattr(model, "name_or_path", "") or "")
+    elif isinstance(base_model_name_or_path, os.PathLike):  # a local base: peft reads a string
+        base_model_name_or_path = str(base_model_name_or_path)
+    elif not isinstance(base_model_name_or_path, str):
+        raise Fp8kitError(f"base_model_name_or_path={base_model_name_or_path!r}: expected the base model's Hub name "
+                          f"or folder as a string (peft opens the base from it), or None for the model's own")
     modules = lora_modules(model)
     if not modules:
         raise Fp8kitError("the model has no LoRA modules to save; load it with lora_rank > 0")
