@@ -226,6 +226,10 @@ def resolve_cmd(name, scheme, as_json):
         _fail(str(e))
     if as_json:
         click.echo(json.dumps(answer.to_dict(), indent=2))
+    elif answer.repo_id and scheme != "auto" and answer.variant_scheme != scheme and answer.name == answer.repo_id:
+        # NAME is an upload itself: it is its own answer, whatever scheme was asked
+        click.echo(f"{answer.repo_id}  ({answer.variant_scheme}, {answer.format}; from the {answer.source}; "
+                   f"{name.strip()} is itself a {answer.variant_scheme} variant, so --scheme {scheme} does not apply)")
     elif answer.repo_id:
         click.echo(f"{answer.repo_id}  ({answer.variant_scheme}, {answer.format}; from the {answer.source}, "
                    f"answering {answer.scheme})")

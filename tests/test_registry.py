@@ -169,6 +169,13 @@ def test_cli_resolve_json():
     assert {k: data[k] for k in ("name", "scheme", "repo_id", "format", "source")} == {
         "name": "Qwen/Qwen3-4B", "scheme": "block", "repo_id": "unsloth/Qwen3-4B-FP8", "format": "fp8",
         "source": "catalog"}
+    # a variant's own name is its answer: the line says the asked scheme does not apply (it said "answering block")
+    result = CliRunner().invoke(main, ["resolve", "unsloth/Qwen3-4B-FP8@abc", "--scheme", "dynamic"])
+    assert result.exit_code == 0 and result.stdout.strip() == (
+        "unsloth/Qwen3-4B-FP8@abc  (block, fp8; from the catalog; unsloth/Qwen3-4B-FP8@abc is itself a block "
+        "variant, so --scheme dynamic does not apply)"), result.output
+    result = CliRunner().invoke(main, ["resolve", "unsloth/Qwen3-4B-FP8", "--scheme", "block"])
+    assert result.stdout.strip() == "unsloth/Qwen3-4B-FP8  (block, fp8; from the catalog, answering block)"
     result = CliRunner().invoke(main, ["registry", "list", "--family", "gemma-3", "--json"])
     assert [v["repo_id"] for v in json.loads(result.stdout)] == [
         f"unsloth/gemma-3-{s}-it-FP8-Dynamic" for s in ("270m", "1b", "4b", "12b", "27b")]
