@@ -168,11 +168,29 @@ def test_bad_options(llama_dir, tmp_path):
                          "--lm-head", "--ignore")
 
 
-def test_lm_head_block_needs_whole_blocks(tmp_path):
+def test_lm_head_is_refused_where_vllm_cannot_load_it(tmp_path):
+    """Block: vLLM loads lm_head's scales with one row per token (VocabParallelEmbedding.weight_loader asserts it).
+    A multimodal checkpoint: vLLM names some such heads language_model.lm_head (Mistral 3), which the config's
+    'lm_head' target does not match. Both were written, and failed to load in vLLM."""
     src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1, vocab_size=500)
     out = tmp_path / "out"
-    assert_clean_failure(*run_cli(src, out, "--scheme", "block", "--lm-head"), out, "lm_head.weight", "[500, 256]")
+    assert_clean_failure(*run_cli(src, out, "--scheme", "block", "--lm-head"), out, "--lm-head takes --scheme dynamic "
+                         "or tensor", "a block lm_head does not load")
     code, err = run_cli(src, out, "--scheme", "dynamic", "--lm-head")
+    assert code == 0, err
+    mm = build_checkpoint(tmp_path / "mm", "mistral3", torch.bfloat16, seed=1, tie_word_embeddings=False)
+    assert_clean_failure(*run_cli(mm, tmp_path / "mm-out", "--scheme", "dynamic", "--lm-head"), tmp_path / "mm-out",
+                         "--lm-head is for text models", "multi_modal_projector")
+
+
+def test_block_in_the_fp8_format_of_mistral_3_is_refused(tmp_path):
+    """vLLM's Mistral 3 loader renames weight_scale_inv to weight_scale, which its block FP8 layers lack: the
+    checkpoint was written and failed to load. Compressed-tensors block is written as before."""
+    src = build_checkpoint(tmp_path / "src", "mistral3", torch.bfloat16, seed=1)
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", "block", "--format", "fp8"), out, "mistral3",
+                         "leave --format out")
+    code, err = run_cli(src, out, "--scheme", "block")
     assert code == 0, err
 
 

@@ -133,7 +133,7 @@ def test_sharded_source_and_extra_files(tmp_path):
     assert drift(src, out)["kl"] < KL_BOUND
 
 
-@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+@pytest.mark.parametrize("scheme", ["dynamic", "tensor"])  # block: refused (test_convert_errors.py)
 def test_lm_head_in_fp8(llama_dir, tmp_path, scheme):
     report = convert(llama_dir, tmp_path / "out", scheme=scheme, lm_head=True)
     names = tensors(tmp_path / "out")

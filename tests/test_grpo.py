@@ -890,6 +890,10 @@ def test_vllm_rollouts_refuse_lm_head_lora_and_unchecked_multimodal_models_befor
     with pytest.raises(Fp8kitError, match="Mistral3ForConditionalGeneration has a vision or audio tower.*"
                                           "Gemma3ForConditionalGeneration so far.*fast_inference=False"):
         load_model(out, lora_rank=8)
+    add_tokenizer(src, "the quick brown fox " * 20, vocab_size=300)  # the original: refused before its conversion
+    monkeypatch.setattr(rl_model, "_checkpoint", lambda *a: pytest.fail("converted before refusing"))
+    with pytest.raises(Fp8kitError, match="src: Mistral3ForConditionalGeneration has a vision or audio tower"):
+        load_model(str(src), lora_rank=8)
 
 
 @pytest.mark.parametrize("arch", ["gemma3_mm", "mistral3"])

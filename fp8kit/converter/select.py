@@ -138,14 +138,21 @@ def _lm_head(tensors: dict[str, TensorInfo], scheme: Scheme, tied: bool) -> str:
         raise Fp8kitError("--lm-head: config.json ties the output head to the embeddings (tie_word_embeddings is "
                           "true, or unset where the architecture ties by default); an FP8 lm_head needs an untied one: "
                           "leave --lm-head out")
+    tower = next((n for n in sorted(tensors) if NOT_LANGUAGE.search(n)), None)
+    if tower is not None:
+        # vLLM maps such models' head to language_model.lm_head (Mistral 3, Qwen2.5-VL: hf_to_vllm_mapper), which the
+        # config's "lm_head" target does not match: the FP8 head went into a BF16 layer and its scale had no place
+        raise Fp8kitError(f"--lm-head is for text models: this checkpoint has a vision or audio part ({tower}), and "
+                          f"vLLM 0.25 loads some such models' head as language_model.lm_head, which the FP8 head "
+                          f"does not load into; leave --lm-head out")
     info = tensors.get("lm_head.weight")
     if info is None:
         raise Fp8kitError("--lm-head: the checkpoint has no lm_head.weight (its lm_head is tied to embed_tokens, "
                           "or named otherwise); an FP8 lm_head needs an untied one: leave --lm-head out")
     _check_source_dtype(info)
     if len(info.shape) != 2 or not scheme.supports(info.shape):
-        raise Fp8kitError(f"{info.path}: lm_head.weight {list(info.shape)} cannot take {scheme.name} FP8 (block "
-                          f"needs both dimensions to be multiples of 128): leave --lm-head out or use dynamic")
+        raise Fp8kitError(f"{info.path}: lm_head.weight {list(info.shape)} cannot take {scheme.name} FP8: leave "
+                          f"--lm-head out or use dynamic")
     return "lm_head"
 
 

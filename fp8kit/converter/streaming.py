@@ -147,6 +147,11 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().to("cpu").contiguous().view(torch.uint8).numpy())
 
 
+# model types whose vLLM loader maps `.weight_scale_inv` to `.weight_scale` (vllm/model_executor/models/mistral3.py,
+# hf_to_vllm_mapper), while its block FP8 layers register `weight_scale_inv` (layers/quantization/fp8.py)
+FP8_BLOCK_RENAMED = ("mistral3",)
+
+
 def read_source(src_path: Path) -> tuple[dict, dict[str, TensorInfo]]:
     """The source's config and tensors, refused when fp8-convert cannot take them (every scheme checks the same)."""
     config = source.load_config(src_path)
@@ -365,6 +370,11 @@ def check_options(scheme: str, format: str = "compressed-tensors", ignore=(), lm
     if lm_head and format != "compressed-tensors":
         raise Fp8kitError("--lm-head is written in the compressed-tensors format only (vLLM's fp8 format has no FP8 "
                           "lm_head); leave --format out")
+    if lm_head and scheme == "block":
+        # vLLM's ParallelLMHead loads every parameter with a vocabulary dimension, the scale included, through
+        # VocabParallelEmbedding.weight_loader, which asserts one row per token: 128x128 block scales fail there
+        raise Fp8kitError("--lm-head takes --scheme dynamic or tensor: vLLM 0.25 loads an lm_head's scales with one "
+                          "row per token, so a block lm_head does not load; leave --lm-head out or use dynamic")
     if kv_cache is not None and kv_cache not in KV_CACHE_DTYPES:
         raise Fp8kitError(f"--kv-cache {kv_cache!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
     if kv_cache and format != "compressed-tensors":
@@ -414,6 +424,10 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     src_path = source.resolve(src).resolve()
     check_out(out, overwrite, src_path)
     config, tensors = read_source(src_path)
+    if format == "fp8" and scheme == "block" and config.get("model_type") in FP8_BLOCK_RENAMED:
+        raise Fp8kitError(f"{src_path / 'config.json'}: vLLM 0.25 cannot load a {config['model_type']} block FP8 "
+                          f"checkpoint in the fp8 format (its loader renames weight_scale_inv to weight_scale, which "
+                          f"block layers lack); use the compressed-tensors format: leave --format out")
     sel = select(tensors, spec, list(ignore), lm_head=lm_head, tied=lm_head and _tied(config, src_path), src=src_path)
     _check_moe_layout(src_path, spec, format, sel.quantize)
     jobs = _plan(tensors, set(sel.quantize), spec, format)

@@ -70,16 +70,11 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
     if local.is_dir() and read_config(local)[1] is None:  # an original to convert: its tokenizer before minutes of work
         _check_tokenizer_files(local)
         if with_vllm:
-            check_rollout_model(read_config(local)[0], local, dtype, max_seq_length)
+            _check_vllm_model(read_config(local)[0], local, dtype, max_seq_length)
     path = _checkpoint(str(name), load_in_fp8)
     config, scheme = read_config(path)
     if with_vllm:
-        check_rollout_model(config, path, dtype, max_seq_length)
-    architecture = (getattr(config, "architectures", None) or [config.model_type])[0]
-    if with_vllm and has_tower(config) and architecture not in VLLM_MULTIMODAL:
-        raise Fp8kitError(f"{path}: {architecture} has a vision or audio tower; vLLM rollouts sharing the trainer's "
-                          f"weights take text models and {', '.join(VLLM_MULTIMODAL)} so far: pass "
-                          f"fast_inference=False (rollouts with transformers' generate on the same model)")
+        _check_vllm_model(config, path, dtype, max_seq_length)
     if with_vllm and static_activation_scales(path):
         raise Fp8kitError(f"{path}: static activation scales (tensor-static): vLLM's rollouts would quantize with "
                           f"them while the trainer quantizes per token, so their log-probabilities would disagree; "
@@ -104,6 +99,17 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
     # saved adapters name their base by it: peft opens neither '~' nor a relative path
     model.name_or_path = str(local.resolve()) if local.is_dir() else str(name)
     return model, tokenizer
+
+
+def _check_vllm_model(config, path: Path, dtype: torch.dtype, max_seq_length: int) -> None:
+    """What the shared-weight vLLM rollouts cannot take of this model, refused before its conversion (an original)
+    and before the engine starts: a tower other than Gemma 3's, and what vLLM itself refuses (check_rollout_model)."""
+    architecture = (getattr(config, "architectures", None) or [config.model_type])[0]
+    if has_tower(config) and architecture not in VLLM_MULTIMODAL:
+        raise Fp8kitError(f"{path}: {architecture} has a vision or audio tower; vLLM rollouts sharing the trainer's "
+                          f"weights take text models and {', '.join(VLLM_MULTIMODAL)} so far: pass "
+                          f"fast_inference=False (rollouts with transformers' generate on the same model)")
+    check_rollout_model(config, path, dtype, max_seq_length)
 
 
 def _check_tokenizer_files(path: Path) -> None:
