@@ -754,6 +754,27 @@ def test_gated_mlps_run_fused_and_compute_transformers_mlp(fp8_dirs, scheme, mon
         assert not calls
 
 
+def test_a_fused_mlp_pickles_and_copies_with_its_forward(fp8_dirs, tmp_path):
+    """torch.save of a layer whose MLP got the fused forward could not be loaded back (a bound method of a function
+    its class lacks); a deep copy's forward belongs to the copy."""
+    import copy
+    import io
+
+    model = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4)
+    layer = model.model.layers[0]
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    twin = copy.deepcopy(layer)
+    x = torch.randn(1, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = layer.mlp(x)
+        for other in (loaded, twin):
+            assert other.mlp.forward.module is other.mlp
+            assert torch.equal(other.mlp(x), want)
+
+
 def test_mlps_that_are_not_silu_gated_fp8_keep_their_forward(odd_llama_dir, tmp_path):
     """Gemma 3's MLP (GELU) and an MLP the block converter kept in BF16 (width 320) keep transformers' forward."""
     from fp8kit.rl.fp8_mlp import fuse_gated_mlps

@@ -187,7 +187,7 @@ def silu_mul_quant_op(g: torch.Tensor, u: torch.Tensor, scheme: str) -> tuple[to
 @silu_mul_quant_op.register_fake
 def _(g, u, scheme):
     M, N = g.shape
-    return (torch.empty_like(g), g.new_empty((M, N), dtype=torch.float8_e4m3fn),
+    return (g.new_empty((M, N)), g.new_empty((M, N), dtype=torch.float8_e4m3fn),
             g.new_empty((M, N // GROUP if scheme == "block" else 1), dtype=torch.float32))
 
 
@@ -203,7 +203,7 @@ def silu_mul_backward_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> 
 
 @silu_mul_backward_op.register_fake
 def _(dh, g, u):
-    return torch.empty_like(g), torch.empty_like(u)
+    return g.new_empty(g.shape), u.new_empty(u.shape)  # contiguous, as the op's
 
 
 @triton.jit
