@@ -755,12 +755,18 @@ def test_gated_mlps_run_fused_and_compute_transformers_mlp(fp8_dirs, scheme, mon
 
 
 def test_a_fused_mlp_pickles_and_copies_with_its_forward(fp8_dirs, tmp_path):
-    """torch.save of a layer whose MLP got the fused forward could not be loaded back (a bound method of a function
-    its class lacks); a deep copy's forward belongs to the copy."""
+    """torch.save of a model from load_fp8_model, or of a layer whose MLP got the fused forward, could not be loaded
+    back (bound methods of functions their classes lack); a deep copy's forward belongs to the copy."""
     import copy
     import io
 
     model = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # the whole model: its save_pretrained was a bound method too
+    buffer.seek(0)
+    whole = torch.load(buffer, weights_only=False)
+    whole.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     layer = model.model.layers[0]
     buffer = io.BytesIO()
     torch.save(layer, buffer)

@@ -15,7 +15,6 @@ import math
 import os
 import re
 import secrets
-import types
 from pathlib import Path
 from typing import Callable
 
@@ -324,8 +323,9 @@ def assemble(config, tensors: dict[str, Callable[[], torch.Tensor]], scheme: str
     model.fp8_scheme = scheme
     # transformers' own would write the frozen base (FP8 weights under a config without their quantization_config,
     # which loads as another model); peft's PeftModel.save_pretrained writes the adapter alone, and so does this
-    model.save_pretrained = types.MethodType(_save_pretrained, model)
-    model.push_to_hub = types.MethodType(_push_to_hub, model)
+    # (partials, not bound methods: pickle names them, so torch.save of the model loads back)
+    model.save_pretrained = functools.partial(_save_pretrained, model)
+    model.push_to_hub = functools.partial(_push_to_hub, model)
     return model
 
 
