@@ -341,6 +341,27 @@ def test_the_last_step_is_checkpointed_when_steps_is_not_a_multiple_of_save_step
     assert json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())["step"] == 3
 
 
+def test_resuming_with_other_settings_says_which(tiny_fp8, tmp_path):
+    """A resume with another seed or group size trained on silently, no longer replaying the run; more steps, another
+    output_dir or save_steps change nothing that is replayed and say nothing."""
+    import warnings
+
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2,
+                        output_dir=str(tmp_path / "run"), save_steps=1)
+    train(model, tok, ["the quick"], [_zero], config)
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    longer = GRPOConfig(steps=2, prompts_per_step=1, num_generations=2, max_completion_length=2,
+                        output_dir=str(tmp_path / "more"), save_steps=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [m["step"] for m in train(model, tok, ["the quick"], [_zero], longer, resume_from=checkpoint)] == [2]
+    other = GRPOConfig(steps=2, prompts_per_step=1, num_generations=3, max_completion_length=2, seed=1)
+    with pytest.warns(UserWarning, match=r"resuming from .*checkpoint-1 with settings other than its run's "
+                                         r"\(num_generations 2 -> 3; seed 0 -> 1\)"):
+        train(model, tok, ["the quick"], [_zero], other, resume_from=checkpoint)
+
+
 def test_a_tokenizer_without_eos_pads_with_the_generation_configs_stop_token_or_is_refused(tiny_fp8, tmp_path):
     """It left pad_token None: a TypeError in the first rollout (torch.full(..., None))."""
     import shutil

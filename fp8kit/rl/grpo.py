@@ -404,6 +404,31 @@ def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
     return int(state["step"])
 
 
+# what a resumed run may change without changing the steps it replays: the length of the run, where it writes,
+# and whether activations are recomputed
+RESUME_FREE = ("steps", "output_dir", "save_steps", "gradient_checkpointing")
+
+
+def _warn_changed_settings(directory: Path, config: GRPOConfig) -> None:
+    """A resume with settings other than the checkpoint's run trains on, as transformers' Trainer does
+    (compare_trainer_and_checkpoint_args), but says which differ: the steps it takes are then not the ones the
+    first run would have taken. Checkpoints without a config (or with an edited one) say nothing."""
+    import warnings
+
+    try:
+        saved = json.loads((directory / STATE_FILE).read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        return
+    if not isinstance(saved, dict):
+        return
+    now = json.loads(json.dumps(asdict(config)))  # tuples as the saved JSON has them (lists)
+    changed = [f"{k} {saved[k]!r} -> {v!r}" for k, v in now.items() if k not in RESUME_FREE and k in saved
+               and saved[k] != v]
+    if changed:
+        warnings.warn(f"resuming from {directory} with settings other than its run's ({'; '.join(changed)}): the "
+                      f"steps from here are not the ones that run would have taken", UserWarning, stacklevel=3)
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     found = [(int(p.name.split("-")[1]), p) for p in Path(output_dir).glob("checkpoint-*")
              if p.name.split("-")[1].isdigit() and (p / STATE_FILE).exists()]
@@ -514,6 +539,7 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     start = 0
     if resume is not None:
         start = load_checkpoint(resume, model, optimizer, masters, scaler)
+        _warn_changed_settings(resume, config)
     # the engine samples step 1 from the adapter the trainer scores with: vLLM got its copy when the model was built
     # (B zero), and an adapter loaded or set since (a warm start from SFT, load_adapter) reaches it only here
     rollout.sync_lora(model)
