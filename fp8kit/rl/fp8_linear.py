@@ -39,7 +39,7 @@ LIBRARY_BACKENDS = kernel_backends.LIBRARY_BACKENDS
 BACKENDS = ("reference", "torch", "triton", *LIBRARY_BACKENDS)
 
 
-SCHEMES = ("dynamic", "block", "tensor")
+SCHEMES = kernel_backends.SCHEMES
 
 
 def scale_shape_error(out_features: int, in_features: int, scale: torch.Tensor, scheme: str) -> str | None:

@@ -367,9 +367,9 @@ def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
 
 
 def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict,
-                    scaler: torch.amp.GradScaler | None = None) -> int:
+                    scaler: torch.amp.GradScaler | None = None, config: GRPOConfig | None = None) -> int:
     """Adapter, master weights, AdamW state and float16's loss scale back in place; returns the step the checkpoint
-    was written after."""
+    was written after. With the resuming run's `config`, warns of the settings that differ from the checkpoint's."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -401,6 +401,8 @@ def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
                                        "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(master.device)}
     if scaler is not None and scaler.is_enabled() and state.get("grad_scaler"):
         scaler.load_state_dict(state["grad_scaler"])
+    if config is not None:
+        _warn_changed_settings(directory, state.get("config"), config)
     return int(state["step"])
 
 
@@ -409,16 +411,12 @@ def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
 RESUME_FREE = ("steps", "output_dir", "save_steps", "gradient_checkpointing")
 
 
-def _warn_changed_settings(directory: Path, config: GRPOConfig) -> None:
-    """A resume with settings other than the checkpoint's run trains on, as transformers' Trainer does
-    (compare_trainer_and_checkpoint_args), but says which differ: the steps it takes are then not the ones the
-    first run would have taken. Checkpoints without a config (or with an edited one) say nothing."""
+def _warn_changed_settings(directory: Path, saved, config: GRPOConfig) -> None:
+    """A resume with settings other than the checkpoint's run (`saved`, its trainer_state.json's "config") trains
+    on, as transformers' Trainer does (compare_trainer_and_checkpoint_args), but says which differ: the steps it
+    takes are then not the ones the first run would have taken. A checkpoint without a config says nothing."""
     import warnings
 
-    try:
-        saved = json.loads((directory / STATE_FILE).read_text()).get("config")
-    except (OSError, ValueError, AttributeError):
-        return
     if not isinstance(saved, dict):
         return
     now = json.loads(json.dumps(asdict(config)))  # tuples as the saved JSON has them (lists)
@@ -426,7 +424,7 @@ def _warn_changed_settings(directory: Path, config: GRPOConfig) -> None:
                and saved[k] != v]
     if changed:
         warnings.warn(f"resuming from {directory} with settings other than its run's ({'; '.join(changed)}): the "
-                      f"steps from here are not the ones that run would have taken", UserWarning, stacklevel=3)
+                      f"steps from here are not the ones that run would have taken", UserWarning, stacklevel=4)
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -538,8 +536,7 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     scaler = torch.amp.GradScaler(params[0].device.type, enabled=any(p.dtype == torch.float16 for p in params))
     start = 0
     if resume is not None:
-        start = load_checkpoint(resume, model, optimizer, masters, scaler)
-        _warn_changed_settings(resume, config)
+        start = load_checkpoint(resume, model, optimizer, masters, scaler, config)
     # the engine samples step 1 from the adapter the trainer scores with: vLLM got its copy when the model was built
     # (B zero), and an adapter loaded or set since (a warm start from SFT, load_adapter) reaches it only here
     rollout.sync_lora(model)

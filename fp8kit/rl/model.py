@@ -67,10 +67,11 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
             raise Fp8kitError("target_modules 'lm_head': vLLM rollouts carry no LoRA on lm_head; leave it out, or pass "
                               "fast_inference=False")
     local = Path(name).expanduser()
-    if local.is_dir() and read_config(local)[1] is None:  # an original to convert: its tokenizer before minutes of work
+    source_config, source_scheme = read_config(local) if local.is_dir() else (None, None)
+    if local.is_dir() and source_scheme is None:  # an original to convert: its tokenizer before minutes of work
         _check_tokenizer_files(local)
         if with_vllm:
-            _check_vllm_model(read_config(local)[0], local, dtype, max_seq_length)
+            _check_vllm_model(source_config, local, dtype, max_seq_length)
     path = _checkpoint(str(name), load_in_fp8)
     config, scheme = read_config(path)
     if with_vllm:
