@@ -795,8 +795,8 @@ def test_mlps_that_are_not_silu_gated_fp8_keep_their_forward(odd_llama_dir, tmp_
 
 
 def test_layer_built_by_hand_with_an_unknown_scheme_or_a_misfit_scale_is_one_line():
-    """FP8LoRALinear is public: a scheme it does not know computed as per-channel, and a scale of the wrong size
-    failed at the first forward as a torch size error."""
+    """FP8LoRALinear is public: a scheme it does not know computed as per-channel, and a scale of the wrong size or a
+    block weight of partial groups failed at the first forward as a torch size error."""
     from fp8kit.converter.schemes import SCHEMES, quantize_weight
     from fp8kit.errors import Fp8kitError
 
@@ -813,4 +813,8 @@ def test_layer_built_by_hand_with_an_unknown_scheme_or_a_misfit_scale_is_one_lin
         FP8LoRALinear(channel[0], channel[1], "tensor")
     with pytest.raises(Fp8kitError, match=r"2-D float8_e4m3fn"):
         FP8LoRALinear(w, channel[1], "dynamic")
+    # K = 320: partial 1x128 activation groups, which neither vLLM's block kernels nor ours compute (the converter
+    # keeps such a Linear in BF16); the forward failed with a torch reshape error
+    with pytest.raises(Fp8kitError, match=r"block FP8 of a 256x320 weight: in_features must be a multiple of 128 "):
+        FP8LoRALinear(block[0][:, :320].contiguous(), block[1], "block")
     FP8LoRALinear(block[0], block[1], "block")(torch.randn(2, 384))

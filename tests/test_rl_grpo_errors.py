@@ -89,7 +89,7 @@ def test_prompt_without_tokens_is_refused_before_training(tiny_fp8):
     assert not calls  # refused before any rollout
 
 
-def test_toy_script_refuses_vllm_with_float32_or_off_cuda_before_building_anything(tmp_path):
+def test_toy_script_refuses_vllm_with_float32_off_cuda_or_without_vllm_before_building_anything(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(TOY), "--workdir", str(tmp_path / "toy"), "--vllm", "--dtype",
                            "float32", "--steps", "1"], capture_output=True, text=True, env=env, timeout=600)
@@ -101,6 +101,15 @@ def test_toy_script_refuses_vllm_with_float32_or_off_cuda_before_building_anythi
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     assert proc.stderr.startswith("error: --vllm: ") and "--device cuda" in proc.stderr
+    assert not (tmp_path / "toy").exists()
+    # on a GPU machine without vLLM (made here: CUDA said visible, the vllm import failing), named before any work
+    wrapper = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; sys.modules['vllm'] = None; "
+               f"sys.argv = [{str(TOY)!r}, *sys.argv[1:]]; runpy.run_path({str(TOY)!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", wrapper, "--workdir", str(tmp_path / "toy"), "--vllm", "--device",
+                           "cuda", "--steps", "1"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith("error: --vllm: the vllm package does not import here") and \
+        "pip install 'fp8kit[gpu]'" in proc.stderr
     assert not (tmp_path / "toy").exists()
 
 
@@ -356,6 +365,10 @@ def test_resuming_with_other_settings_says_which(tiny_fp8, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert [m["step"] for m in train(model, tok, ["the quick"], [_zero], longer, resume_from=checkpoint)] == [2]
+    done = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
+    with pytest.warns(UserWarning, match=r"checkpoint-1 is at step 1 and steps=1: nothing left to train; pass a "
+                                         r"larger steps"):
+        assert train(model, tok, ["the quick"], [_zero], done, resume_from=checkpoint) == []
     other = GRPOConfig(steps=2, prompts_per_step=1, num_generations=3, max_completion_length=2, seed=1)
     with pytest.warns(UserWarning, match=r"resuming from .*checkpoint-1 with settings other than its run's "
                                          r"\(num_generations 2 -> 3; seed 0 -> 1\)"):

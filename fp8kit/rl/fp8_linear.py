@@ -396,6 +396,10 @@ class FP8LoRALinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         if why := scale_shape_error(self.out_features, self.in_features, weight_scale, scheme):
             raise Fp8kitError(f"weight_scale of shape {list(weight_scale.shape)}: {why}")
+        if scheme == "block" and self.in_features % GROUP:  # load_fp8_model refuses such checkpoints by file name
+            raise Fp8kitError(f"block FP8 of a {self.out_features}x{self.in_features} weight: in_features must be a "
+                              f"multiple of {GROUP} (activations are quantized in 1x{GROUP} groups, as vLLM's); keep "
+                              f"this Linear in BF16, as fp8-convert does, or use the dynamic scheme")
         self.scheme = scheme
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale.float())

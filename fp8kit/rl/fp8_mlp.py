@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8kit.rl.fp8_linear import GROUP, FP8LoRALinear, _fused_quantizer, pick_backend, quantize_activation
+from fp8kit.rl.fp8_linear import FP8LoRALinear, _fused_quantizer, pick_backend, quantize_activation
 
 
 def _gated_mlp(self, x):  # transformers' LlamaMLP.forward, Qwen2MLP, Qwen3MLP, MistralMLP, ... (5.x)
@@ -115,8 +115,7 @@ def fused_gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     gate, up, down = self.gate_proj, self.up_proj, self.down_proj
     backend = down.backend or pick_backend(x.device)
     g, u = gate(x), up(x)
-    if (torch.compiler.is_compiling() or (backend != "reference" and _fused_quantizer(backend) is None)
-            or (down.scheme == "block" and down.in_features % GROUP)):  # (a hand-built layer: partial groups)
+    if torch.compiler.is_compiling() or (backend != "reference" and _fused_quantizer(backend) is None):
         return down(self.act_fn(g) * u)
     h, q, s = silu_mul_quant(g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]), down.scheme, backend)
     return down(h.reshape(g.shape), x_fp8=(q, s))

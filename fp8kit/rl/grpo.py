@@ -537,6 +537,11 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     start = 0
     if resume is not None:
         start = load_checkpoint(resume, model, optimizer, masters, scaler, config)
+        if start >= config.steps:  # returned [] without a word: a resume that forgot to raise steps looked like a run
+            import warnings
+
+            warnings.warn(f"{resume} is at step {start} and steps={config.steps}: nothing left to train; pass a larger "
+                          f"steps to continue the run", UserWarning, stacklevel=2)
     # the engine samples step 1 from the adapter the trainer scores with: vLLM got its copy when the model was built
     # (B zero), and an adapter loaded or set since (a warm start from SFT, load_adapter) reaches it only here
     rollout.sync_lora(model)
