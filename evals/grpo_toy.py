@@ -128,7 +128,7 @@ def run(args):
     from fp8kit import convert
     from fp8kit.errors import Fp8kitError
     from fp8kit.rl.grpo import GRPOConfig, resume_checkpoint, train
-    from fp8kit.rl.loader import check_device
+    from fp8kit.rl.loader import _one_line, check_device
     from fp8kit.rl.model import load_model
     from fp8kit.rl.vllm_engine import check_rollout_arguments
 
@@ -149,6 +149,11 @@ def run(args):
                               f"'fp8kit[gpu]') or leave --vllm out") from None
     torch.set_num_threads(max(1, torch.get_num_threads()))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="grpo-toy-"))
+    try:  # a file there failed with a traceback once the toy model was built
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file, not a folder" if workdir.is_file() else _one_line(e)
+        raise Fp8kitError(f"--workdir {workdir}: {why}; choose another folder") from None
     t0 = time.perf_counter()
     if args.model:
         checkpoint = Path(args.model)

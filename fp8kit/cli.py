@@ -11,7 +11,8 @@ from pathlib import Path
 
 import click
 
-from fp8kit.converter.output import sigterm_as_interrupt  # light: torch is imported later, inside the commands
+# light: torch is imported later, inside the commands
+from fp8kit.converter.output import interrupt_raised, interrupts_deferred, sigterm_as_interrupt
 from fp8kit.errors import Fp8kitError
 
 
@@ -90,15 +91,22 @@ class _Interruptible:
 
     def invoke(self, ctx):
         try:
+            # torch first, with Ctrl-C and SIGTERM held until it is imported: a KeyboardInterrupt raised inside its
+            # import was cleared by its C extension (the command then ran on) or aborted the process from pybind11
+            # (exit -6, a C++ trace); held, it is raised here, before the command starts
+            with interrupts_deferred():
+                import torch  # noqa: F401
             return super().invoke(ctx)
         except KeyboardInterrupt:
             _fail(f"interrupted; {self.interrupted.format(**ctx.params)}", 130)
-        except EOFError as e:  # end of input: an Abort here, before click's own handler prints a blank line for it
-            raise click.exceptions.Abort() from e
-        except RuntimeError as e:  # pathlib's expanduser() of `~someone` for a user this machine does not know
-            if "home directory" not in str(e):
-                raise
-            _fail(f"a path starting with '~' cannot be expanded ({e}); spell the path out")
+        except Exception as e:
+            if interrupt_raised():  # a later failure of an interrupted import (numpy half-loaded under torch's)
+                _fail(f"interrupted; {self.interrupted.format(**ctx.params)}", 130)
+            if isinstance(e, EOFError):  # end of input: an Abort here, before click's own handler prints a blank line
+                raise click.exceptions.Abort() from e
+            if isinstance(e, RuntimeError) and "home directory" in str(e):  # pathlib's expanduser() of `~someone`
+                _fail(f"a path starting with '~' cannot be expanded ({e}); spell the path out")  # (an unknown user)
+            raise
 
 
 class _Command(_Interruptible, click.Command):

@@ -80,11 +80,23 @@ def build_model(config, dtype: torch.dtype | None = None) -> torch.nn.Module:
 
 def load_model(src: Path, **kwargs) -> torch.nn.Module:
     """The checkpoint's model with its weights, from the class build_model picks (calibration runs the whole model:
-    AutoModelForCausalLM alone refused Mistral 3)."""
+    AutoModelForCausalLM alone refused Mistral 3). Safetensors only: where transformers finds none it can use (a
+    lone shard without its index), it fell back to a pytorch_model.bin beside them, unpickling it and calibrating
+    other weights than the ones converted."""
     import transformers
 
+    from fp8kit.errors import Fp8kitError
+
     config = transformers.AutoConfig.from_pretrained(src, trust_remote_code=False)
-    return _first_that_takes(config, lambda cls: cls.from_pretrained(src, config=config, **kwargs))
+    try:
+        return _first_that_takes(config, lambda cls: cls.from_pretrained(src, config=config, use_safetensors=True,
+                                                                         **kwargs))
+    except OSError as e:
+        if "no file named" not in str(e):
+            raise
+        raise Fp8kitError(f"{src}: transformers loads safetensors weights only as model.safetensors or as the shards "
+                          f"model.safetensors.index.json lists, and finds neither (pickle files are never read); "
+                          f"rename the file or add the index") from e
 
 
 def loaded_names(src: Path, modules: list[str]) -> dict[str, str]:

@@ -108,6 +108,47 @@ def test_a_signal_as_the_partial_folder_is_made_leaves_nothing(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_an_interrupt_something_swallowed_still_stops_the_conversion(tmp_path, llama_dir, monkeypatch, sig, when):
+    """torch's import clears a KeyboardInterrupt raised inside it (its C extension imports numpy): the conversion ran
+    on and wrote OUT, exit 0. An interrupt swallowed before the conversion, or during it, is raised again before
+    anything is written or before OUT is renamed into place."""
+    from fp8kit import convert
+    from fp8kit.converter import streaming
+    from fp8kit.converter.output import sigterm_as_interrupt
+
+    def swallowed():
+        try:
+            signal.raise_signal(sig)
+            time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+
+    copy, copied = streaming._copy, []
+
+    def copy_after_a_swallowed_interrupt(*args, **kwargs):
+        if not copied:
+            swallowed()
+        copied.append(1)
+        return copy(*args, **kwargs)
+
+    if when == "during":
+        monkeypatch.setattr(streaming, "_copy", copy_after_a_swallowed_interrupt)
+    out = tmp_path / "out"
+    with sigterm_as_interrupt():
+        if when == "before":
+            swallowed()
+        with pytest.raises(KeyboardInterrupt):
+            convert(llama_dir, out, scheme="dynamic")
+    assert copied if when == "during" else not copied
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    with sigterm_as_interrupt():  # a new scope starts clean
+        convert(llama_dir, out, scheme="dynamic")
+    assert (out / "config.json").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_between_the_renames_of_overwrite_leaves_the_new_output_whole(tmp_path, monkeypatch, sig):
     """--overwrite moves the old OUT aside, then the new one into place: a signal in between waits for the second
     rename, so OUT is never missing; the interrupt still goes up, and the old folder is removed."""

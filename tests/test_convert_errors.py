@@ -610,6 +610,26 @@ def test_calibration_on_a_model_transformers_cannot_run_is_one_line(tmp_path, ar
     assert code == 0, err
 
 
+@pytest.mark.parametrize("args", [["--scheme", "dynamic", "--kv-cache", "fp8", "--device", "cpu"],
+                                  ["--scheme", "tensor-static"]])
+def test_calibration_never_falls_back_to_a_pickle_beside_a_lone_shard(tmp_path, args):
+    """A lone model-00001-of-00001.safetensors (no index: fp8kit reads it, transformers does not) beside a
+    pytorch_model.bin: calibration loaded the pickle, unpickling it and measuring other weights than the ones
+    converted. Here the .bin is not even a pickle: reading it would fail otherwise."""
+    from fp8kit.models import add_tokenizer
+
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1)
+    add_tokenizer(src, "the quick brown fox jumps over the lazy dog " * 40)
+    (src / "model.safetensors").rename(src / "model-00001-of-00001.safetensors")
+    (src / "pytorch_model.bin").write_bytes(b"not a pickle")
+    out = tmp_path / "out"
+    code, err = run_cli(src, out, *args)
+    assert_clean_failure(code, err, out, str(src), "transformers loads safetensors weights only as model.safetensors",
+                         "pickle files are never read")
+    code, err = run_cli(src, out, "--scheme", "dynamic")  # the streaming schemes never run the model
+    assert code == 0, err
+
+
 def test_stray_adapter_beside_an_unindexed_checkpoint_is_neither_merged_nor_copied(src, tmp_path):
     """adapter_model.safetensors was quantized into OUT as if it were the model's; adapter_config.json was copied, so
     transformers went looking for the adapter's weights and OUT did not load."""

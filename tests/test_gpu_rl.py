@@ -32,6 +32,30 @@ def test_triton_quantizer_writes_torch_bytes(scheme):
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
 
 
+@pytest.mark.parametrize("scheme", ["dynamic", "block"])
+def test_triton_quantizers_index_past_2_31_elements(scheme):
+    """row * K in 32 bits wrapped past 2**31 elements (240k tokens of an 8960-wide MLP): an illegal memory access.
+    The last rows, past the wrap, hold torch's bytes and scales; a transposed FP8 weight of more than 2**31 bytes
+    holds its last columns."""
+    from fp8kit.rl.triton_quant import quantize_activation_triton, transpose_fp8
+
+    K = 8960
+    M = 2**31 // K + 64
+    x = torch.ones(M, K, device="cuda", dtype=torch.bfloat16)
+    x[-8:] = torch.randn(8, K, device="cuda", dtype=torch.bfloat16) * 3
+    tail = x[-8:].clone()
+    q, s = quantize_activation_triton(x, scheme)
+    del x
+    want_q, want_s = quantize_activation(tail, scheme)
+    assert torch.equal(q[-8:].view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s[-8:], want_s)
+    del q, s
+    torch.cuda.empty_cache()
+    w = torch.zeros(K, M, device="cuda", dtype=torch.uint8)
+    w[:, -64:] = torch.randint(0, 120, (K, 64), device="cuda", dtype=torch.uint8)
+    t = transpose_fp8(w.view(torch.float8_e4m3fn))
+    assert torch.equal(t[-64:].view(torch.uint8), w[:, -64:].t())
+
+
 def _same_function(want, got, shape, out_tol, grad_tol, run_got=None):
     """Layer `got` (called through run_got, e.g. its compiled form, if given) against layer `want`, in relative
     norm: the output within out_tol; the input and LoRA gradients (same random upstream gradient) within grad_tol."""

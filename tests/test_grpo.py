@@ -930,8 +930,9 @@ def test_multimodal_rollouts_run_vllm_language_only_and_the_trainer_reads_the_to
 
 
 def test_reward_metrics_are_trls_and_two_lambdas_keep_their_own(tiny_fp8):
-    """reward_std is the mean of the groups' stds (TRL's), frac_reward_zero_std the share of groups with equal
-    rewards; two reward functions of one name were logged under one key, the second overwriting the first."""
+    """As TRL (f2cd577) logs them: reward_std is the std of the batch's rewards, frac_reward_zero_std the share of
+    completions whose scaling std (their group's; the batch's for scale_rewards="batch") is 0; two reward
+    functions of one name were logged under one key, the second overwriting the first."""
     model, tokenizer = load_model(str(tiny_fp8), lora_rank=4, device="cpu")
     config = GRPOConfig(steps=1, prompts_per_step=2, num_generations=4, max_completion_length=4, seed=0)
     constant = lambda prompts, completions, **kw: [1.0] * len(completions)  # noqa: E731
@@ -946,9 +947,19 @@ def test_reward_metrics_are_trls_and_two_lambdas_keep_their_own(tiny_fp8):
     assert m["reward/<lambda>"] == 1.0 and m["reward/<lambda>_1"] == pytest.approx(
         sum(seen["rewards"]) / len(seen["rewards"]) - 1.0)
     groups = torch.tensor(seen["rewards"]).view(2, 4)
-    assert m["reward_std"] == pytest.approx(groups.std(dim=1).mean().item())
+    assert m["reward_std"] == pytest.approx(groups.std().item())
     assert m["frac_reward_zero_std"] == pytest.approx(
         torch.isclose(groups.std(dim=1), torch.zeros(2)).float().mean().item())
+    # two groups of equal rewards, 1s and 0s, and one unscored completion: under "batch" scaling they do get
+    # advantages (the batch's std is not 0), and the unscored one is out of the mean and std
+    pattern = [1.0, 1.0, 1.0, None, 0.0, 0.0, 0.0, 0.0]
+    batch = GRPOConfig(steps=1, prompts_per_step=2, num_generations=4, max_completion_length=4, seed=0,
+                       scale_rewards="batch")
+    [m] = train(model, tokenizer, ["a b", "c d e"], [lambda completions, **kw: pattern], batch)
+    assert m["reward_mean"] == pytest.approx(3 / 7) and m["frac_reward_zero_std"] == 0.0
+    assert m["reward_std"] == pytest.approx(torch.tensor([1.0] * 3 + [0.0] * 4).std().item())
+    [m] = train(model, tokenizer, ["a b", "c d e"], [lambda completions, **kw: pattern], config)
+    assert m["frac_reward_zero_std"] == 1.0
 
 
 def test_output_dir_that_cannot_be_written_and_a_bad_on_step_fail_before_the_first_step(tiny_fp8, tmp_path,

@@ -8,6 +8,7 @@ import torch
 from fp8kit.rl.grpo_loss import (
     LOSS_TYPES,
     group_advantages,
+    reward_stds,
     mismatch_kl,
     policy_loss,
     token_kl,
@@ -66,6 +67,24 @@ def test_advantages_scaled_by_the_batch_std_keep_the_group_mean():
     # a batch of equal rewards: std 0, advantages 0; one completion per group: 0 as well
     assert group_advantages(torch.full((4,), 7.0), 2, scale_rewards="batch").eq(0).all()
     assert group_advantages(torch.tensor([1.0, 3.0]), 1, scale_rewards="batch").eq(0).all()
+
+
+def test_an_unscored_completion_is_left_out_of_its_group_and_gets_advantage_0():
+    """TRL (f2cd577, unscorable_mask): a completion every reward function returned None for is NaN, out of the
+    group's mean and std. Group [1, 0, 1, -]: mean 2/3, std of [1, 0, 1] sqrt(1/3) (Bessel); counted as 0 it got
+    advantage -0.866 and its group [0.866, -0.866, 0.866]. A group of no scored completion is all 0; in "batch" mode
+    the NaN is out of the batch's std too."""
+    nan = float("nan")
+    std = math.sqrt(1 / 3)
+    rewards = torch.tensor([1.0, 0.0, 1.0, nan, nan, nan, nan, nan])
+    close(group_advantages(rewards, 4), [1 / 3 / (std + 1e-4), -2 / 3 / (std + 1e-4), 1 / 3 / (std + 1e-4), 0, 0, 0, 0, 0])
+    close(group_advantages(rewards, 4, scale_rewards="none"), [1 / 3, -2 / 3, 1 / 3, 0, 0, 0, 0, 0])
+    close(group_advantages(rewards, 4, scale_rewards="batch"), [1 / 3 / (std + 1e-4), -2 / 3 / (std + 1e-4),
+                                                                1 / 3 / (std + 1e-4), 0, 0, 0, 0, 0])
+    stds = reward_stds(rewards, 4)
+    assert stds[:4].tolist() == pytest.approx([std] * 4) and stds[4:].isnan().all()
+    close(reward_stds(torch.tensor([1.0, 1.0, 0.0, 0.0]), 2, "batch"), [math.sqrt(1 / 3)] * 4)
+    close(reward_stds(torch.tensor([1.0, 1.0, 0.0, 0.0]), 2, "none"), [0.0] * 4)
 
 
 def test_advantage_scaling_names_are_trls():

@@ -146,6 +146,37 @@ def test_adapter_round_trips_through_peft(fp8_dirs, llama_dir, tmp_path):
         assert torch.equal(fresh(input_ids=IDS).logits, model(input_ids=IDS).logits)
 
 
+def test_an_lm_head_adapter_saved_by_peft_loads_back(fp8_dirs, llama_dir, tmp_path):
+    """peft's save of an adapter on lm_head adds lm_head's own weight (save_embedding_layers="auto"): load_adapter
+    refused it as a tensor of no LoRA module. The model's own weight is taken; another one (a resized vocabulary)
+    is refused in one line."""
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+
+    from fp8kit.errors import Fp8kitError
+
+    model = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4, target_modules=["lm_head", "q_proj"])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("lora_B"):
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(llama_dir))
+    with quiet():
+        base = load_causal_lm(fp8_dirs["dynamic"], torch.float32)
+        PeftModel.from_pretrained(base, tmp_path / "adapter").save_pretrained(tmp_path / "from-peft")
+    weights = tmp_path / "from-peft" / "adapter_model.safetensors"
+    assert "base_model.model.lm_head.base_layer.weight" in load_file(weights)
+    fresh = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4, target_modules=["lm_head", "q_proj"])
+    load_adapter(fresh, tmp_path / "from-peft")
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=IDS).logits, model(input_ids=IDS).logits)
+    tensors = load_file(weights)
+    tensors["base_model.model.lm_head.base_layer.weight"] += 1
+    save_file(tensors, weights)
+    with pytest.raises(Fp8kitError, match=r"lm_head.base_layer.weight is a weight other than the model's lm_head"):
+        load_adapter(fresh, tmp_path / "from-peft")
+
+
 def test_adapter_config_is_honoured(fp8_dirs, tmp_path):
     from fp8kit.errors import Fp8kitError
 
@@ -817,4 +848,8 @@ def test_layer_built_by_hand_with_an_unknown_scheme_or_a_misfit_scale_is_one_lin
     # keeps such a Linear in BF16); the forward failed with a torch reshape error
     with pytest.raises(Fp8kitError, match=r"block FP8 of a 256x320 weight: in_features must be a multiple of 128 "):
         FP8LoRALinear(block[0][:, :320].contiguous(), block[1], "block")
+    with pytest.raises(Fp8kitError, match=r"^rank=-1: expected an integer >= 0"):
+        FP8LoRALinear(*channel, "dynamic", rank=-1)
+    with pytest.raises(Fp8kitError, match=r"^input of shape \(2, 300\): this FP8 layer takes 384 features"):
+        FP8LoRALinear(*channel, "dynamic")(torch.randn(2, 300))
     FP8LoRALinear(block[0], block[1], "block")(torch.randn(2, 384))

@@ -3,6 +3,7 @@ silently did nothing mid-run), and the toy script's refusals before it builds an
 
 import functools
 import json
+import re
 import os
 import subprocess
 import sys
@@ -102,6 +103,11 @@ def test_toy_script_refuses_vllm_with_float32_off_cuda_or_without_vllm_before_bu
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     assert proc.stderr.startswith("error: --vllm: ") and "--device cuda" in proc.stderr
     assert not (tmp_path / "toy").exists()
+    (tmp_path / "afile").write_text("")
+    proc = subprocess.run([sys.executable, str(TOY), "--workdir", str(tmp_path / "afile"), "--steps", "1"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 1 and proc.stderr == f"error: --workdir {tmp_path / 'afile'}: a file, not a folder; " \
+                                                   f"choose another folder\n", proc.stderr
     # on a GPU machine without vLLM (made here: CUDA said visible, the vllm import failing), named before any work
     wrapper = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; sys.modules['vllm'] = None; "
                f"sys.argv = [{str(TOY)!r}, *sys.argv[1:]]; runpy.run_path({str(TOY)!r}, run_name='__main__')")
@@ -229,7 +235,7 @@ def test_reward_values_must_be_numbers(tiny_fp8):
         history = train(model, tok, ["the quick"], [lambda completions, r=returned, **_: r], config,
                         on_step=seen.append)
         assert len(history) == 1
-    assert [m["reward_mean"] for m in seen] == [0.5, 0.75, 0.5, 0.75, 0.75, 1.0, 0.75, 0.75, 0.75, 0.75]
+    assert [m["reward_mean"] for m in seen] == [0.5, 0.75, 1.0, 0.75, 0.75, 1.0, 0.75, 0.75, 0.75, 0.75]  # None: unscored
 
 
 def test_conversations_that_cannot_be_rendered_are_refused_in_one_line(tiny_fp8):
@@ -268,6 +274,8 @@ class _NoRollout:
 
     def sync_lora(self, model):
         pass
+
+    sleep = wake = lambda self: None
 
     def generate(self, *args, **kwargs):
         raise AssertionError("train() sampled before refusing its input")
@@ -324,7 +332,8 @@ def test_a_dataframe_of_prompts_is_refused_and_errors_stay_on_one_line(tiny_fp8)
 
 def test_gradient_checkpointing_and_the_mode_follow_the_config_and_are_restored(tiny_fp8):
     """gradient_checkpointing=False after a run with the default kept checkpointing on, and it stayed on after
-    train() returned; the model left train() in training mode, so LoRA dropout acted on every later forward."""
+    train() returned; the model left train() in training mode, so LoRA dropout acted on every later forward; the
+    input-embedding hook of checkpointing stayed."""
     model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
     assert not model.training
     seen = []
@@ -332,12 +341,83 @@ def test_gradient_checkpointing_and_the_mode_follow_the_config_and_are_restored(
     train(model, tok, ["the quick"], [_zero], config,
           on_step=lambda _: seen.append((model.is_gradient_checkpointing, model.training)))
     assert seen == [(True, True)] and not model.is_gradient_checkpointing and not model.training
+    # nor the hook checkpointing puts on the input embeddings (their output requires grad): every later forward
+    # built a graph through the frozen model, one hook more each run
+    embeddings = model.get_input_embeddings()
+    assert not embeddings._forward_hooks and not embeddings(torch.tensor([[1, 2]])).requires_grad
     model.gradient_checkpointing_enable()
     model.train()
     config.gradient_checkpointing = False
     train(model, tok, ["the quick"], [_zero], config,
           on_step=lambda _: seen.append((model.is_gradient_checkpointing, model.training)))
     assert seen[1] == (False, True) and model.is_gradient_checkpointing and model.training
+    assert len(embeddings._forward_hooks) == 1  # the caller's own, from its gradient_checkpointing_enable
+    config.gradient_checkpointing = True
+    train(model, tok, ["the quick"], [_zero], config)
+    assert len(embeddings._forward_hooks) == 1 and model._require_grads_hooks[0].id in embeddings._forward_hooks
+
+
+def test_async_reward_functions_are_awaited_together(tiny_fp8):
+    """An async def reward function (TRL's GRPOTrainer awaits them) failed after a whole rollout: "returned
+    coroutine"; two of them run concurrently, beside a plain one, also from a thread with a running event loop."""
+    import asyncio
+
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
+    both = []
+
+    async def judge(completions, **_):
+        both.append(1)
+        while len(both) < 2:  # returns only once the other judge has started: they run together
+            await asyncio.sleep(0.01)
+        return [0.25] * len(completions)
+
+    async def judge_again(completions, **_):
+        return await judge(completions)
+
+    [m] = train(model, tok, ["the quick"], [judge, _zero, judge_again], config)
+    assert m["reward_mean"] == 0.5 and m["reward/judge"] == 0.25 and m["reward/judge_again"] == 0.25
+
+    async def inside_a_loop():  # as in Jupyter
+        return train(model, tok, ["the quick"], [judge], config)
+
+    both.append(1)
+    assert asyncio.run(inside_a_loop())[0]["reward_mean"] == 0.25
+
+
+def test_bad_model_tokenizer_rollout_or_prompts_are_one_line(tiny_fp8):
+    """Each was a Python traceback (TypeError, AttributeError), the rollout's only after a whole step."""
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2)
+    for kwargs, needle in ((dict(model=None), "model=None: expected the model load_model returned"),
+                           (dict(tokenizer=None), "tokenizer=None: expected the tokenizer"),
+                           (dict(rollout=object()), "it has no generate(); pass an engine with generate(), "
+                                                    "sync_lora(), sleep(), wake()"),
+                           (dict(prompts=None), "prompts=None: expected a list"),
+                           (dict(prompts=[{"prompt": "the", 1: "x"}]), "a row has the key 1; column names must be")):
+        args = {**dict(model=model, tokenizer=tok, prompts=["the quick"], reward_funcs=[_zero], config=config),
+                **kwargs}
+        with pytest.raises(Fp8kitError) as e:
+            train(**args)
+        assert needle in str(e.value) and "\n" not in str(e.value), e.value
+    for kwargs, needle in ((dict(name=None), "name=None: expected a Hub repo id"),
+                           (dict(fast_inference="no"), "fast_inference='no': expected True"),
+                           (dict(gpu_memory_utilization=5), "gpu_memory_utilization=5: expected a fraction"),
+                           (dict(vllm_kwargs=[1]), "vllm_kwargs=[1]: expected a dict")):
+        with pytest.raises(Fp8kitError, match=re.escape(needle)):
+            load_model(**{"name": str(tiny_fp8), **kwargs})
+
+
+def test_train_leaves_the_callers_random_stream_where_it_was(tiny_fp8):
+    """Each rollout reseeded torch's global generator from the run's seed: after train() the caller's draws were a
+    function of config.seed."""
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    config = GRPOConfig(steps=2, prompts_per_step=1, num_generations=2, max_completion_length=2)
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    train(model, tok, ["the quick"], [_zero], config)
+    assert torch.equal(torch.rand(3), want)
 
 
 def test_the_last_step_is_checkpointed_when_steps_is_not_a_multiple_of_save_steps(tiny_fp8, tmp_path):
@@ -351,8 +431,8 @@ def test_the_last_step_is_checkpointed_when_steps_is_not_a_multiple_of_save_step
 
 
 def test_resuming_with_other_settings_says_which(tiny_fp8, tmp_path):
-    """A resume with another seed or group size trained on silently, no longer replaying the run; more steps, another
-    output_dir or save_steps change nothing that is replayed and say nothing."""
+    """A resume with another seed or group size trained on silently, no longer replaying the run; more steps (under a
+    constant learning rate), another output_dir or save_steps change nothing that is replayed and say nothing."""
     import warnings
 
     model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
@@ -369,6 +449,13 @@ def test_resuming_with_other_settings_says_which(tiny_fp8, tmp_path):
     with pytest.warns(UserWarning, match=r"checkpoint-1 is at step 1 and steps=1: nothing left to train; pass a "
                                          r"larger steps"):
         assert train(model, tok, ["the quick"], [_zero], done, resume_from=checkpoint) == []
+    # under a decaying learning rate more steps change every later rate: said too
+    decaying = dict(prompts_per_step=1, num_generations=2, max_completion_length=2, lr_scheduler="linear")
+    train(model, tok, ["the quick"], [_zero], GRPOConfig(steps=2, output_dir=str(tmp_path / "lin"), save_steps=1,
+                                                         **decaying))
+    with pytest.warns(UserWarning, match=r"checkpoint-1 with settings other than its run's \(steps 2 -> 4\)"):
+        train(model, tok, ["the quick"], [_zero], GRPOConfig(steps=4, **decaying),
+              resume_from=tmp_path / "lin" / "checkpoint-1")
     other = GRPOConfig(steps=2, prompts_per_step=1, num_generations=3, max_completion_length=2, seed=1)
     with pytest.warns(UserWarning, match=r"resuming from .*checkpoint-1 with settings other than its run's "
                                          r"\(num_generations 2 -> 3; seed 0 -> 1\)"):

@@ -66,6 +66,8 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     # on the GPU unless --device cpu: calibration runs the whole model over the text
     try:
         model = load_model(src_path, dtype="auto", device_map=str(dev) if dev.type == "cuda" else None)
+    except Fp8kitError:
+        raise
     except Exception as e:  # noqa: BLE001 - e.g. a model_type transformers does not know
         raise model_run_error(src_path, "--scheme tensor-static", e, RUN_FIX) from e
     # the KV-cache scales as llm-compressor measures them, with the static min-max observer that our streaming

@@ -38,16 +38,35 @@ def check_out(out: str | Path, overwrite: bool, src: Path | None = None) -> Path
     return out
 
 
+# the interrupts _raise_interrupt has raised in this sigterm_as_interrupt scope: a KeyboardInterrupt raised while a C
+# extension imports a module can be cleared by it (torch's, importing numpy: the conversion then ran to the end and
+# wrote OUT, exit 0), so atomic_directory looks here before it starts and before it renames
+_raised: list[int] = []
+
+
 def _raise_interrupt(signum, frame):
+    _raised.append(signum)
     raise KeyboardInterrupt
+
+
+def interrupt_raised() -> bool:
+    """Whether a Ctrl-C or SIGTERM has been raised as KeyboardInterrupt in this sigterm_as_interrupt scope."""
+    return bool(_raised)
+
+
+def raise_swallowed_interrupt() -> None:
+    """A KeyboardInterrupt for a Ctrl-C or SIGTERM that something swallowed, raised again."""
+    if _raised:
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """While active, SIGTERM unwinds like Ctrl-C (KeyboardInterrupt), so the same `finally` blocks remove partial
     output: the one interrupt mechanism of fp8kit, used by the console scripts for their whole run and by
-    atomic_directory around every write. Set only from the main thread and only over SIGTERM's default action (a
-    handler of the host application, or of an enclosing use of this, is left alone); restored on exit."""
+    atomic_directory around every write. Both are recorded (raise_swallowed_interrupt). Set only from the main
+    thread and only over the default actions (a handler of the host application, or of an enclosing use of this,
+    is left alone); restored on exit."""
     try:
         active = (threading.current_thread() is threading.main_thread()
                   and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
@@ -56,11 +75,18 @@ def sigterm_as_interrupt():
     if not active:
         yield
         return
+    _raised.clear()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    ctrl_c = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if ctrl_c:
+        signal.signal(signal.SIGINT, _raise_interrupt)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if ctrl_c:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        _raised.clear()
 
 
 @contextlib.contextmanager
@@ -80,6 +106,7 @@ def _atomic_directory(out: Path, overwrite: bool):
     # mkdir (tempfile.mkdtemp returns the name only afterwards) still finds it in the finally below.
     partial = old = None
     ok = False
+    raise_swallowed_interrupt()  # one that came while torch was imported
     try:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -98,8 +125,9 @@ def _atomic_directory(out: Path, overwrite: bool):
             raise Fp8kitError(f"{out}: cannot create the output directory ({e.strerror or e}); choose another OUT "
                               f"or make {nearest or out.parent} writable") from e
         yield partial
+        raise_swallowed_interrupt()  # one that came while a module was imported along the way: OUT is not made
         _modes_from_umask(partial)
-        with _interrupts_deferred():  # OUT is never left moved aside with the new folder not yet in its place
+        with interrupts_deferred():  # OUT is never left moved aside with the new folder not yet in its place
             if out.exists() and overwrite:
                 old = out.parent / f".{out.name}.old-{secrets.token_hex(8)}"
                 out.rename(old)
@@ -121,7 +149,7 @@ def _atomic_directory(out: Path, overwrite: bool):
 
 
 @contextlib.contextmanager
-def _interrupts_deferred():
+def interrupts_deferred():
     """Ctrl-C and SIGTERM arriving inside are raised on the way out, once the renames they would have split are
     done. Only the main thread receives signals in Python, so elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():

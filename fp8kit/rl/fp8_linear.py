@@ -327,9 +327,22 @@ class _FP8MatMul(torch.autograd.Function):
         return None, grad_in, None, None, None, None, None, None, None, None
 
 
+def check_lora_settings(rank, alpha, dropout, prefix: str = "") -> None:
+    """Rank, alpha and dropout as numbers LoRA can take, each mistake one line (a torch error, or a model without
+    LoRA, otherwise); `prefix` names them as the caller's arguments (load_model's lora_rank=...)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise Fp8kitError(f"{prefix}rank={rank!r}: expected an integer >= 0 (0: no LoRA)")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                              or not 0 < alpha < math.inf):
+        raise Fp8kitError(f"{prefix}alpha={alpha!r}: expected a number > 0, or None for alpha = rank")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise Fp8kitError(f"{prefix}dropout={dropout!r}: expected a probability in [0, 1)")
+
+
 def init_lora(module: nn.Module, rank: int, alpha: float | None, dropout: float, dtype: torch.dtype,
               device: torch.device) -> None:
     """LoRA A and B (PEFT's initialisation: Kaiming-uniform A, zero B) on a module with in/out_features."""
+    check_lora_settings(rank, alpha, dropout)
     module.rank = rank
     module.scaling = (alpha if alpha is not None else rank) / rank if rank else 0.0
     module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
@@ -416,6 +429,9 @@ class FP8LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x_fp8: x already quantized as quantize_activation quantizes it for this layer's scheme (values [M, in],
         scales), by the kernel that computed x (fp8_mlp)."""
+        if x.shape[-1] != self.in_features:  # reshape's error named neither the layer's width nor the input's
+            raise Fp8kitError(f"input of shape {tuple(x.shape)}: this FP8 layer takes {self.in_features} features "
+                              f"in the last dimension")
         backend = self.backend or pick_backend(x.device)
         x2 = x.reshape(-1, self.in_features)
         xq, xs = x_fp8 if x_fp8 is not None else (None, None)

@@ -9,6 +9,8 @@ from a checkpoint replays the following steps exactly.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import inspect
 import json
 import math
@@ -25,9 +27,11 @@ from torch import nn
 
 from fp8kit.errors import Fp8kitError
 from fp8kit.rl import logprobs
-from fp8kit.rl.grpo_loss import LOSS_TYPES, group_advantages, mismatch_kl, policy_loss, truncated_importance_weights
-from fp8kit.rl.loader import _fsync, _one_line, adapters_disabled, load_adapter, lora_modules, write_adapter
-from fp8kit.rl.rollout import Completion, HFRollout
+from fp8kit.rl.grpo_loss import (LOSS_TYPES, group_advantages, mismatch_kl, nanstd, policy_loss, reward_stds,
+                                 truncated_importance_weights)
+from fp8kit.rl.loader import (_fsync, _one_line, _rng_devices, _short_repr, adapters_disabled, load_adapter,
+                              lora_modules, write_adapter)
+from fp8kit.rl.rollout import ROLLOUT_METHODS, Completion, HFRollout
 
 SCHEDULES = ("constant", "linear", "cosine")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -301,14 +305,33 @@ def _reward_value(v) -> float:
     raise TypeError(f"{type(v).__name__} {_short_repr(v, 30)}")
 
 
+def _awaited(results: list) -> list:
+    """The reward functions' results, those of `async def` ones (an LLM judge, a sandbox) awaited together, as TRL
+    gathers them: in an event loop of their own on a worker thread, which also works where the caller's thread
+    runs a loop already (Jupyter)."""
+    waiting = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
+    if not waiting:
+        return results
+
+    async def gather():
+        return await asyncio.gather(*(results[i] for i in waiting))
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        done = pool.submit(asyncio.run, gather()).result()
+    return [done[waiting.index(i)] if i in waiting else r for i, r in enumerate(results)]
+
+
 def _rewards(reward_funcs, weights, prompts, completions_text, completion_ids, extra) -> tuple[torch.Tensor, dict]:
     total = torch.zeros(len(completions_text))
+    scored = torch.zeros(len(completions_text), dtype=torch.bool)  # by at least one function
     per_func = {}
     names = [str(getattr(func, "__name__", i)) for i, func in enumerate(reward_funcs)]
-    for i, func in enumerate(reward_funcs):
+    results = [func(prompts=prompts, completions=completions_text, completion_ids=completion_ids, **extra)
+               for func in reward_funcs]
+    results = _awaited(results)
+    for i, returned in enumerate(results):
         earlier = names[:i].count(names[i])  # two functions of one name (two lambdas): the later get _1, _2
         name = f"{names[i]}_{earlier}" if earlier else names[i]
-        returned = func(prompts=prompts, completions=completions_text, completion_ids=completion_ids, **extra)
         if isinstance(returned, torch.Tensor) and returned.dim() == 2 and returned.shape[-1] == 1:
             returned = returned[:, 0]  # a column of rewards, [n, 1]
         if returned is None or isinstance(returned, (str, bytes, dict)) or not hasattr(returned, "__iter__") \
@@ -330,7 +353,10 @@ def _rewards(reward_funcs, weights, prompts, completions_text, completion_ids, e
                               f"{int(values.isinf().nonzero()[0])}: expected finite numbers (None for no reward)")
         per_func[f"reward/{name}"] = values.nanmean().item()
         total += (weights[i] if weights else 1.0) * values.nan_to_num(0.0)
-    return total, per_func
+        scored |= ~values.isnan()
+    # a completion no function scored is NaN, as in TRL: group_advantages leaves it out of its group's baseline and
+    # gives it advantage 0 (as a 0 it moved the baseline and was pushed down)
+    return total.masked_fill(~scored, float("nan")), per_func
 
 
 def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict,
@@ -406,8 +432,8 @@ def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
     return int(state["step"])
 
 
-# what a resumed run may change without changing the steps it replays: the length of the run, where it writes,
-# and whether activations are recomputed
+# what a resumed run may change without changing the steps it replays: the length of the run (under a constant
+# learning rate: linear and cosine decay over `steps`), where it writes, and whether activations are recomputed
 RESUME_FREE = ("steps", "output_dir", "save_steps", "gradient_checkpointing")
 
 
@@ -420,7 +446,9 @@ def _warn_changed_settings(directory: Path, saved, config: GRPOConfig) -> None:
     if not isinstance(saved, dict):
         return
     now = json.loads(json.dumps(asdict(config)))  # tuples as the saved JSON has them (lists)
-    changed = [f"{k} {saved[k]!r} -> {v!r}" for k, v in now.items() if k not in RESUME_FREE and k in saved
+    free = RESUME_FREE if now["lr_scheduler"] == saved.get("lr_scheduler") == "constant" else \
+        tuple(k for k in RESUME_FREE if k != "steps")
+    changed = [f"{k} {saved[k]!r} -> {v!r}" for k, v in now.items() if k not in free and k in saved
                and saved[k] != v]
     if changed:
         warnings.warn(f"resuming from {directory} with settings other than its run's ({'; '.join(changed)}): the "
@@ -464,6 +492,15 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     rollout: the engine that samples (default: transformers' generate on `model`, or the vLLM engine load_model
     attached). config: a GRPOConfig, a dict of its fields, or None for the defaults."""
     config = _config(config)
+    if not isinstance(model, nn.Module):
+        raise Fp8kitError(f"model={_short_repr(model, 40)}: expected the model load_model returned")
+    if not callable(tokenizer):
+        raise Fp8kitError(f"tokenizer={_short_repr(tokenizer, 40)}: expected the tokenizer load_model returned")
+    missing = [m for m in ROLLOUT_METHODS if rollout is not None and not callable(getattr(rollout, m, None))]
+    if missing:  # found after a whole rollout (sync_lora) or training step
+        raise Fp8kitError(f"rollout={_short_repr(rollout, 40)}: it has no {missing[0]}(); pass an engine with "
+                          f"{', '.join(m + '()' for m in ROLLOUT_METHODS)} (fp8kit.rl.rollout.HFRollout's), or leave "
+                          f"rollout out")
     if config.output_dir is not None:  # it may have become a file since the config was made
         check_output_dir(config.output_dir, create=bool(config.save_steps))
     if on_step is not None and not callable(on_step):  # called after the first step's rollout and update
@@ -476,7 +513,7 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
             or not all(callable(f) for f in reward_funcs)):
         raise Fp8kitError(f"reward_funcs={_short_repr(reward_funcs, 80)}: expected a non-empty list of functions "
                           f"(prompts, completions, ...) -> one float per completion")
-    if isinstance(prompts, (str, bytes, dict)):  # a string would be iterated as one-character prompts
+    if isinstance(prompts, (str, bytes, dict)) or not hasattr(prompts, "__iter__"):  # a string: one-character prompts
         raise Fp8kitError(f"prompts={_short_repr(prompts, 60)}: expected a list of strings, conversations or dicts with "
                           f"a 'prompt'; wrap a single prompt in a list")
     if hasattr(prompts, "columns") and hasattr(prompts, "to_dict"):  # iterating a DataFrame gives its column names
@@ -498,6 +535,9 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
         raise Fp8kitError(f"prompts: prompt 0 is {'a conversation' if conversational else 'text'} and prompt "
                           f"{next(i for i, r in enumerate(rows) if is_conversation(r['prompt']) != conversational)} "
                           f"is not; pass all prompts as text or all as conversations")
+    odd = next((k for r in rows for k in r if not isinstance(k, str)), None)
+    if odd is not None:  # they reach the reward functions as keyword arguments
+        raise Fp8kitError(f"prompts: a row has the key {_short_repr(odd, 40)}; column names must be strings")
     taken = sorted({k for r in rows for k in r} & {"prompts", "completions", "completion_ids"})
     if taken:  # the reward functions' own arguments
         raise Fp8kitError(f"prompts: a row has a {taken[0]!r} column, the name of an argument every reward function "
@@ -546,20 +586,42 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     # (B zero), and an adapter loaded or set since (a warm start from SFT, load_adapter) reaches it only here
     rollout.sync_lora(model)
     checkpointing = getattr(model, "is_gradient_checkpointing", False)  # switched back afterwards, as dropout is
+    # transformers' gradient_checkpointing_enable hooks the input embeddings (their output requires grad), and its
+    # disable removes that hook only on PEFT models: every later forward outside no_grad built a graph, one more
+    # hook a run; the hooks this run adds are removed with it
+    input_hooks = list(getattr(model, "_require_grads_hooks", None) or [])
     was_training = model.training  # and the mode: load_model returns the model in eval mode, as from_pretrained
     _set_gradient_checkpointing(model, config.gradient_checkpointing)
     dropouts = _dropouts(model) if config.disable_dropout else []
     for m, attr, _ in dropouts:
         setattr(m, attr, 0.0)
     try:
-        return _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, scaler, masters, trainable,
-                      start, on_step)
+        # each step seeds torch's generators (dropout, sampling) from (seed, step), in forked ones: the caller's
+        # random streams are where they were when train() returns
+        with torch.random.fork_rng(devices=_rng_devices(params[0].device)):
+            return _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, scaler, masters,
+                          trainable, start, on_step)
     finally:
         for m, attr, p in dropouts:
             setattr(m, attr, p)
         if checkpointing != config.gradient_checkpointing:
             _set_gradient_checkpointing(model, checkpointing)
+        _restore_input_hooks(model, input_hooks)
         model.train(was_training)
+
+
+def _restore_input_hooks(model: nn.Module, hooks: list) -> None:
+    """Removes the input-embedding hooks (enable_input_require_grads') added since `hooks` were the model's."""
+    now = getattr(model, "_require_grads_hooks", None) or []
+    for hook in now:
+        if not any(hook is h for h in hooks):
+            hook.remove()
+    if now:
+        model._require_grads_hooks = hooks
+        if hooks:
+            model._require_grads_hook = hooks[0]
+        elif hasattr(model, "_require_grads_hook"):
+            del model._require_grads_hook
 
 
 def _set_gradient_checkpointing(model: nn.Module, on: bool) -> None:
@@ -571,11 +633,6 @@ def _set_gradient_checkpointing(model: nn.Module, on: bool) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif getattr(model, "is_gradient_checkpointing", False):
         model.gradient_checkpointing_disable()
-
-
-def _short_repr(value, width: int) -> str:
-    """repr(value) on one line, cut to `width` characters: an error message stays one line."""
-    return " ".join(repr(value).split())[:width]
 
 
 def _check_reward_signatures(reward_funcs, columns: list[str]) -> None:
@@ -636,6 +693,7 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
     conversational = is_conversation(rows[0]["prompt"])  # train() refused a mix
     for step in range(start + 1, config.steps + 1):
         seed = _step_seed(config.seed, step)
+        torch.manual_seed(seed)  # LoRA dropout's masks: a resumed run draws the ones the first run drew
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         picked = random.Random(seed).sample(rows, min(config.prompts_per_step, len(rows)))
@@ -674,7 +732,8 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
             logp = completion_logprobs(model, batch, part, config.temperature, config.top_p)
             mask, rollout_logp = batch["mask"][part], batch["rollout_logp"][part]
             ref_logp = None
-            if config.beta:
+            if config.beta:  # the reference is the base model, as the issue asks (a departure from TRL for an adapter
+                # warm-started from SFT: TRL's PEFT path copies the starting adapter into a frozen "ref" adapter)
                 with torch.no_grad(), adapters_disabled(model):
                     ref_logp = completion_logprobs(model, batch, part, config.temperature, config.top_p)
             is_weights = (truncated_importance_weights(logp.detach(), rollout_logp, config.importance_sampling_cap)
@@ -717,11 +776,11 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
         train_s = time.perf_counter() - t0
 
         completion_tokens = int(batch["mask"].sum().item())
-        # reward_std as TRL logs it: the mean of the groups' stds (Bessel-corrected), and the share of groups whose
-        # rewards are all equal (they give no advantage, so no gradient)
-        group_std = rewards.view(-1, n).std(dim=1) if n > 1 else torch.zeros(len(rewards))
-        metrics = {"step": step, "reward_mean": rewards.mean().item(), "reward_std": group_std.mean().item(),
-                   "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item(),
+        # as TRL logs them: reward_mean and reward_std over the batch's scored completions, and the share of
+        # completions whose reward std (the scaling's: their group's, or the batch's) is 0: they get no advantage
+        std = reward_stds(rewards, n, config.effective_scale_rewards)
+        metrics = {"step": step, "reward_mean": rewards.nanmean().item(), "reward_std": nanstd(rewards).item(),
+                   "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item(),
                    **per_func, **stats, "grad_norm": grad_norm, "lr": lr, "update_skipped": skipped,
                    "completion_length": completion_tokens / len(completions),
                    "rollout_tokens_per_s": completion_tokens / gen_s,

@@ -26,6 +26,40 @@ def _out_dtype(*xs: Tensor) -> torch.dtype:
     return dtype if dtype.is_floating_point else torch.float32
 
 
+def nanstd(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """Bessel-corrected std over the values that are not NaN (TRL's nanstd; NaN where fewer than two are)."""
+    mean = x.nanmean() if dim is None else x.nanmean(dim=dim, keepdim=True)
+    count = (~x.isnan()).sum() if dim is None else (~x.isnan()).sum(dim=dim, keepdim=keepdim)
+    squares = ((x - mean) ** 2).nansum() if dim is None else ((x - mean) ** 2).nansum(dim=dim, keepdim=keepdim)
+    return (squares / (count - 1)).sqrt().where(count > 1, float("nan"))
+
+
+def _scale_mode(scale_rewards: bool | str) -> str:
+    mode = ("group" if scale_rewards else "none") if isinstance(scale_rewards, bool) else scale_rewards
+    if mode not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards must be True, False, 'group', 'batch' or 'none', got {scale_rewards!r}")
+    return mode
+
+
+def reward_stds(rewards: Tensor, num_generations: int, scale_rewards: bool | str = True) -> Tensor:
+    """Each completion's reward std as TRL's scale_rewards takes it (its std_rewards, float64): its group's for
+    "group" and "none" (where it only tells the zero-std groups apart), the batch's for "batch"; NaN rewards (no
+    reward function scored the completion) left out, a group of one 0."""
+    if num_generations < 1:
+        raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+    if rewards.dim() != 1 or rewards.numel() % num_generations:
+        raise ValueError(f"rewards must be 1-D with a length divisible by num_generations={num_generations}, "
+                         f"got shape {tuple(rewards.shape)}")
+    mode = _scale_mode(scale_rewards)
+    grouped = rewards.double().view(-1, num_generations)
+    if mode == "batch":
+        std = nanstd(grouped) if grouped.numel() > 1 else torch.zeros((), dtype=torch.float64)
+        return std.expand(grouped.numel())
+    if num_generations == 1:
+        return torch.zeros(grouped.numel(), dtype=torch.float64)
+    return nanstd(grouped, dim=1, keepdim=True).expand_as(grouped).reshape(-1)
+
+
 def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: bool | str = True,
                      eps: float = 1e-4) -> Tensor:
     """Group-relative advantages: the group mean is the baseline, so no value model is needed.
@@ -37,27 +71,18 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: bool 
     - "batch": by the std of all B*G rewards + eps (Bessel-corrected; the PPO Lite recommendation); the mean
       subtracted is still the group's.
     - False or "none": not divided (Dr. GRPO: dividing by the std weights easy and hard prompts unequally).
-    A group of one gets advantage 0, as TRL's num_generations == 1 branch.
+    A group of one gets advantage 0, as TRL's num_generations == 1 branch. A NaN reward (a completion no reward
+    function scored) is left out of the means and stds and gets advantage 0, as in TRL: counted as 0 it moved its
+    group's baseline and was itself pushed down.
     """
-    if num_generations < 1:
-        raise ValueError(f"num_generations must be >= 1, got {num_generations}")
-    if rewards.dim() != 1 or rewards.numel() % num_generations:
-        raise ValueError(f"rewards must be 1-D with a length divisible by num_generations={num_generations}, "
-                         f"got shape {tuple(rewards.shape)}")
-    mode = ("group" if scale_rewards else "none") if isinstance(scale_rewards, bool) else scale_rewards
-    if mode not in ("group", "batch", "none"):
-        raise ValueError(f"scale_rewards must be True, False, 'group', 'batch' or 'none', got {scale_rewards!r}")
+    std = reward_stds(rewards, num_generations, scale_rewards)  # checks the arguments
     # float64: the mean of equal float32 rewards is then exactly theirs (in float32 a group of eight 1000.7s got
     # advantages of +-1.2 from the rounded mean over a std of 0 + eps)
     grouped = rewards.double().view(-1, num_generations)
-    advantages = grouped - grouped.mean(dim=1, keepdim=True)
-    if mode == "group":
-        std = grouped.std(dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(advantages)
+    advantages = (grouped - grouped.nanmean(dim=1, keepdim=True)).reshape(-1)
+    if _scale_mode(scale_rewards) != "none":
         advantages = advantages / (std + eps)
-    elif mode == "batch":
-        std = grouped.std() if grouped.numel() > 1 else torch.zeros(())
-        advantages = advantages / (std + eps)
-    return advantages.reshape(-1).to(_out_dtype(rewards))
+    return advantages.nan_to_num(0.0).to(_out_dtype(rewards))
 
 
 def token_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ from torch import nn
 from fp8kit.converter.select import NOT_LANGUAGE
 from fp8kit.errors import Fp8kitError
 from fp8kit.rl.bf16_lora import LoRALinear
-from fp8kit.rl.fp8_linear import GROUP, FP8LoRALinear, scale_shape_error
+from fp8kit.rl.fp8_linear import GROUP, FP8LoRALinear, check_lora_settings, scale_shape_error
 from fp8kit.rl.fp8_mlp import fuse_gated_mlps
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -38,6 +38,11 @@ def _one_line(e: BaseException) -> str:
     """An exception's text on one line (OSError: just its reason), for inclusion in an Fp8kitError."""
     text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
     return " ".join(text.split()) or type(e).__name__
+
+
+def _short_repr(value, width: int) -> str:
+    """repr(value) on one line, cut to `width` characters: an error message stays one line."""
+    return " ".join(repr(value).split())[:width]
 
 
 @contextlib.contextmanager
@@ -195,13 +200,7 @@ def _file_of(getter, where: str) -> str:
 def lora_targets(lora_rank, lora_alpha, target_modules, lora_dropout=0.0, device=None) -> set[str]:
     """The LoRA arguments checked before anything is loaded or converted (each mistake otherwise surfaces as a
     torch error, or as a model without LoRA); the target leaf names as a set."""
-    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
-        raise Fp8kitError(f"lora_rank={lora_rank!r}: expected an integer >= 0 (0: no LoRA)")
-    if lora_alpha is not None and (isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float))
-                                   or not 0 < lora_alpha < math.inf):
-        raise Fp8kitError(f"lora_alpha={lora_alpha!r}: expected a number > 0, or None for alpha = rank")
-    if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
-        raise Fp8kitError(f"lora_dropout={lora_dropout!r}: expected a probability in [0, 1)")
+    check_lora_settings(lora_rank, lora_alpha, lora_dropout, "lora_")
     if device is not None:
         check_device(device)
     if target_modules is None:
@@ -717,6 +716,16 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
     updates = []
     seen = set()
     for key, value in tensors.items():
+        base = re.fullmatch(r"base_model\.model\.(.+)\.base_layer\.weight", key)
+        if base and base[1] in modules:
+            # peft's save of an adapter on lm_head or the embeddings (save_embedding_layers="auto") adds the layer's
+            # own weight: taken where it is the model's, refused where it is not (a resized vocabulary)
+            own = modules[base[1]].weight
+            if own.dtype not in FP8_DTYPES and own.shape == value.shape and torch.equal(own, value.to(own.device, own.dtype)):
+                continue
+            raise Fp8kitError(f"{weights_file}: {key} is a weight other than the model's {base[1]} (peft's "
+                              f"save_embedding_layers); load the adapter onto the model it was trained on, or save "
+                              f"it with save_embedding_layers=False")
         m = re.fullmatch(r"base_model\.model\.(.+)\.(lora_[AB])(?:\.default)?\.weight", key)
         if not m or m[1] not in modules:
             raise Fp8kitError(f"{weights_file}: adapter tensor {key!r} matches no LoRA module of the model")

@@ -3,13 +3,14 @@ rollout engine attached (vLLM sharing the policy's weights on a GPU, transformer
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
 from fp8kit.errors import Fp8kitError
-from fp8kit.rl.loader import (DEFAULT_SEED, _one_line, check_device, check_seed, load_fp8_model, load_lora_model,
-                               lora_targets, read_config, static_activation_scales)
+from fp8kit.rl.loader import (DEFAULT_SEED, _one_line, _short_repr, check_device, check_seed, load_fp8_model,
+                               load_lora_model, lora_targets, read_config, static_activation_scales)
 from fp8kit.rl.rollout import HFRollout
 from fp8kit.rl.vllm_engine import (VLLM_MULTIMODAL, check_engine_kwargs, check_rollout_arguments, check_rollout_model,
                                    has_tower)
@@ -43,6 +44,18 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
     transformers' generate on the model itself. `seed` draws the LoRA initialisation (default 3407, Unsloth's
     random_state) without touching the global random state. model.save_pretrained(folder) saves the adapter in
     PEFT's format."""
+    if not isinstance(name, (str, os.PathLike)):  # None (an unset variable) was a TypeError from pathlib
+        raise Fp8kitError(f"name={_short_repr(name, 60)}: expected a Hub repo id org/name[@revision] or a checkpoint "
+                          f"folder")
+    if not isinstance(fast_inference, bool):  # 'no' is truthy: it started vLLM
+        raise Fp8kitError(f"fast_inference={_short_repr(fast_inference, 40)}: expected True (vLLM rollouts where vLLM "
+                          f"runs) or False (transformers' generate)")
+    if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
+            or not 0 < gpu_memory_utilization <= 1:  # vLLM's own refusal came after a conversion
+        raise Fp8kitError(f"gpu_memory_utilization={_short_repr(gpu_memory_utilization, 40)}: expected a fraction of "
+                          f"the GPU's memory in (0, 1], e.g. 0.6")
+    if vllm_kwargs is not None and not isinstance(vllm_kwargs, dict):
+        raise Fp8kitError(f"vllm_kwargs={_short_repr(vllm_kwargs, 60)}: expected a dict of vllm.LLM arguments")
     if not (load_in_fp8 is True or load_in_fp8 is False or load_in_fp8 in ("block", "dynamic")):  # 0 == False
         raise Fp8kitError(f"load_in_fp8={load_in_fp8!r}: expected True (or 'dynamic'), 'block' or False")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):

@@ -13,6 +13,10 @@ from torch import nn
 from fp8kit.rl.logprobs import sampled_logprobs
 
 
+# what the GRPO loop calls on an engine (train() checks a rollout= it is given for them)
+ROLLOUT_METHODS = ("generate", "sync_lora", "sleep", "wake")
+
+
 @dataclass
 class Completion:
     token_ids: list[int]
@@ -73,7 +77,6 @@ class HFRollout:
         for i, p in enumerate(rows):  # left padding: every row's next token lands in the same column
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        torch.manual_seed(seed)
         config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
                                   max_new_tokens=max_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
         recorder = _SampledTokenLogprobs(temperature, top_p)
@@ -83,9 +86,14 @@ class HFRollout:
         # the logits the recorder sees and the distribution sampled from, so a default one stands in meanwhile
         self.model.generation_config = GenerationConfig()
         self.model.eval()
+        # sampled from `seed` in forked generators: the caller's random stream stays where it was (it was reset to
+        # a function of the run's seed every step)
         try:
-            sequences = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                            generation_config=config, logits_processor=LogitsProcessorList([recorder]))
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                sequences = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                                generation_config=config,
+                                                logits_processor=LogitsProcessorList([recorder]))
         finally:
             self.model.generation_config = saved
             self.model.train(was_training)

@@ -20,7 +20,7 @@ from fp8kit.rl.fp8_linear import FP8_MAX, GROUP, MIN_SCALE
 @triton.jit
 def _quantize_rows(x_ptr, c_ptr, q_ptr, s_ptr, stride_x, K, BLOCK: tl.constexpr, HAS_COL: tl.constexpr,
                    FMAX: tl.constexpr, SMIN: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * K passes 2**31 (240k tokens of an 8960-wide MLP): out of bounds
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -37,7 +37,7 @@ def _quantize_row_groups(x_ptr, q_ptr, s_ptr, stride_x, K, n_groups, GROUP_SIZE:
                          GROUPS: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr):
     """GROUPS consecutive 1xGROUP_SIZE groups of one row per program: one program per group launched M * K/128
     tiny programs (11.6 ms of an 83 ms FP8 LoRA step on an H100, evals/results/fp8_lora_h100_probe1.json)."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = g[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
     mask = (g[:, None] < n_groups) & (cols < K)
@@ -208,8 +208,8 @@ def _(dh, g, u):
 
 @triton.jit
 def _transpose_bytes(x_ptr, y_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # 64-bit offsets: a weight may pass 2**31 bytes
+    c = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
     mask = (r[:, None] < R) & (c[None, :] < C)
     tile = tl.load(x_ptr + r[:, None] * C + c[None, :], mask=mask)
     tl.store(y_ptr + c[:, None] * R + r[None, :], tl.trans(tile), mask=tl.trans(mask))
