@@ -164,6 +164,7 @@ class PhaseRollout:
         self.engine, self.peak, self.pauses, self.name, self.asleep_memory = engine, peak, pauses, engine.name, None
         self.trace_step, self.step, self.traces, self._training = trace_step, 0, {}, None
         self.wake_s = []  # per step: what waking took inside the generation window
+        self.sleep_s = []  # per step: what releasing the KV cache for training took
         self.gc = []  # per step: the collector's time and full collections inside the generation window
         self.heap = None  # gc_heap() before the first generation
 
@@ -194,7 +195,9 @@ class PhaseRollout:
                 self.traces["generation"] = window.summary
 
     def sleep(self):
+        t0 = time.perf_counter()
         self.engine.sleep()
+        self.sleep_s.append(time.perf_counter() - t0)
         if self.asleep_memory is None:
             self.asleep_memory = memory_snapshot()
         self.peak.phase = "training"
@@ -435,7 +438,7 @@ def run_variant(args) -> dict:
         "rollout_tokens_per_s": statistics.median(h["rollout_tokens_per_s"] for h in steady),
         "generation_s": sum(h["generation_s"] for h in steady), "training_s": sum(h["training_s"] for h in steady),
         "reward_curve": [h["reward_mean"] for h in history], "mismatch_kl": [h["mismatch_kl"] for h in history],
-        "wake_s": phased.wake_s, "gc_heap": phased.heap, "gc_in_generation": phased.gc, "steps": history, "adapter": str(adapter),
+        "wake_s": phased.wake_s, "sleep_s": phased.sleep_s, "gc_heap": phased.heap, "gc_in_generation": phased.gc, "steps": history, "adapter": str(adapter),
         **({"memory_trace": {"step": args.trace_step, **phased.traces}} if args.trace_step else {}),
     }
 

@@ -18,9 +18,9 @@ Parameters are replaced during vLLM's post-load processing, so views are taken a
 
 LoRA reaches vLLM every step by writing the adapter in place into vLLM's stacked LoRA buffers (B scaled by
 alpha/r, which vLLM folds into B at load: lora_weights.LoRALayerWeights.optimize); the buffers are never
-re-bound, so CUDA graphs stay valid, and nothing is reloaded. While the trainer runs, vLLM sleeps at level 1
-and wakes its weights at once: the KV cache is released and the weights come back at the same virtual
-addresses (device_allocator/cumem.py maps each handle at its recorded address), so the views stay valid.
+re-bound, so CUDA graphs stay valid, and nothing is reloaded. While the trainer runs, vLLM sleeps with only its
+KV cache released (VLLMRollout.sleep): the weights stay mapped where the views point, and the KV cache comes back
+at its recorded virtual addresses (device_allocator/cumem.py maps each handle there), so CUDA graphs stay valid.
 """
 
 from __future__ import annotations
@@ -273,6 +273,13 @@ class VLLMRollout:
         # the model must live in this process: with the engine core in a subprocess (=1), the weights to share are
         # out of reach, found only after a whole engine start
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+            # Hopper's default block kernel (FlashInfer/DeepGEMM) re-quantized block weights in place to power-of-two
+            # (UE8M0) scales and quantized activations with such scales (VLLM_USE_DEEP_GEMM_E8M0 on by default;
+            # vllm/utils/deep_gemm.py is_deep_gemm_e8m0_used, fp8_utils.requant_weight_ue8m0_inplace): the shared
+            # weights then differed from the checkpoint's and vLLM's activations from the trainer's. SM90's DeepGEMM
+            # takes the checkpoint's float32 scales as they are (UE8M0 is Blackwell's format).
+            os.environ.setdefault("VLLM_USE_DEEP_GEMM_E8M0", "0")
         kwargs = rollout_llm_kwargs(path, dtype, max_seq_length, gpu_memory_utilization, lora_rank, target_modules,
                                     engine_kwargs)
         from vllm import LLM
@@ -377,11 +384,25 @@ class VLLMRollout:
             self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        """Release the KV cache for training; the weights stay at their addresses (level 1, weights re-woken)."""
-        if not self.asleep:
+        """Release the KV cache for training; the weights stay where they are. vLLM's level-1 sleep copies every
+        weight allocation to pinned host memory and unmaps it (device_allocator/cumem.py CuMemAllocator.sleep, the
+        "weights" tag), and waking them copies them back: two passes over the model's weights a step (9 GB each
+        way for an 8B FP8 model) to keep bytes that never left. The allocator is shown only the KV cache's
+        allocations while the engine sleeps (the scheduler paused, the prefix cache cleared, as a level-1 sleep
+        does), so only those are released; the executor then counts the weights as awake."""
+        if self.asleep:
+            return
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        allocator = CuMemAllocator.get_instance()
+        every = allocator.pointer_to_data
+        allocator.pointer_to_data = {p: d for p, d in every.items() if d.tag == "kv_cache"}
+        try:
             self.llm.sleep(level=1)
-            self.llm.wake_up(tags=["weights"])
-            self.asleep = True
+        finally:
+            allocator.pointer_to_data = every
+        self.llm.llm_engine.model_executor.sleeping_tags.discard("weights")
+        self.asleep = True
 
     def wake(self) -> None:
         if self.asleep:
