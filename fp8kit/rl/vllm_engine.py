@@ -274,11 +274,11 @@ class VLLMRollout:
         # out of reach, found only after a whole engine start
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
-            # Hopper's default block kernel (FlashInfer/DeepGEMM) re-quantized block weights in place to power-of-two
-            # (UE8M0) scales and quantized activations with such scales (VLLM_USE_DEEP_GEMM_E8M0 on by default;
-            # vllm/utils/deep_gemm.py is_deep_gemm_e8m0_used, fp8_utils.requant_weight_ue8m0_inplace): the shared
-            # weights then differed from the checkpoint's and vLLM's activations from the trainer's. SM90's DeepGEMM
-            # takes the checkpoint's float32 scales as they are (UE8M0 is Blackwell's format).
+            # Hopper's default block kernel (FlashInfer/DeepGEMM) re-quantizes block weights in place to power-of-two
+            # (UE8M0) scales and quantizes activations with such scales (VLLM_USE_DEEP_GEMM_E8M0 on by default;
+            # vLLM 0.25's vllm/utils/deep_gemm.py is_deep_gemm_e8m0_used, fp8_utils.requant_weight_ue8m0_inplace):
+            # the shared weights would differ from the checkpoint's and vLLM's activations from the trainer's. SM90's
+            # DeepGEMM takes the checkpoint's float32 scales as they are (UE8M0 is Blackwell's format).
             os.environ.setdefault("VLLM_USE_DEEP_GEMM_E8M0", "0")
         kwargs = rollout_llm_kwargs(path, dtype, max_seq_length, gpu_memory_utilization, lora_rank, target_modules,
                                     engine_kwargs)
