@@ -1,8 +1,8 @@
 """The runtime's rollout rate against a standalone vLLM engine, pooled over rounds of grpo_gpu.py.
 
 On the lent H100s the decode loop of a 1.1B model is bound by the host's CPU, and that CPU's speed drifts within
-minutes: one engine's per-step rates on the same workload spanned 9.9k-17.7k tokens/s, so a runtime run against a
-standalone run minutes later gave anything from 0.81 to 1.25 (results/grpo_gpu_rounds.json). A round is one
+minutes: one engine's steady per-step rates on the same workload spanned 11.0k-17.7k tokens/s, so a runtime run
+against a standalone run minutes later gave anything from 0.80 to 1.25 (results/grpo_gpu_rounds.json). A round is one
 grpo_gpu.py results file whose fp8 run holds the runtime and the standalone engine(s) run right after it on the
 same machine; this pools the rounds: every steady step of every round (the first step of each engine is dropped, as
 grpo_gpu does), the median of all of them on each side, and each round's own ratio. With --headline the pooled ratio
