@@ -256,7 +256,7 @@ def test_a_steps_gradient_is_the_reference_loss_written_out(tiny_fp8, loss_type)
     if cfg.effective_scale_rewards in (True, "group"):
         advantages = advantages / (rewards.std(1, keepdim=True) + 1e-4)
     low, high = 1 - cfg.epsilon, 1 + cfg.effective_epsilon_high
-    rows, capped = [], 0
+    rows, capped, drift = [], 0, []
     for i, c in enumerate(completions):
         prompt, target = prompts[i // n], torch.tensor(c.token_ids, dtype=torch.long)
         ids = torch.tensor([prompt + c.token_ids])
@@ -275,6 +275,7 @@ def test_a_steps_gradient_is_the_reference_loss_written_out(tiny_fp8, loss_type)
         a = advantages.view(-1)[i]
         loss = -torch.min(ratio * a, ratio.clamp(low, high) * a)
         weights = torch.exp(old - torch.tensor(c.logprobs, dtype=torch.float64))
+        drift.append(old - torch.tensor(c.logprobs, dtype=torch.float64))  # trainer - rollout, per token
         capped += int((weights > cfg.importance_sampling_cap).sum())
         loss = loss * weights.clamp(max=cfg.importance_sampling_cap)
         rows.append(loss + cfg.beta * (torch.exp(ref - logp) - (ref - logp) - 1))
@@ -289,6 +290,9 @@ def test_a_steps_gradient_is_the_reference_loss_written_out(tiny_fp8, loss_type)
     assert 0 < capped < sum(lengths)  # the cap is exercised, and not on every token
     scale = sum(float(g.norm() ** 2) for g in expected.values()) ** 0.5
     assert scale > 0 and logged["loss"] == pytest.approx(total.item(), rel=1e-5, abs=1e-7)
+    # the logged mismatch KL is KL(rollout || trainer), k3 over the tokens the rollout sampled, the batch's token mean
+    d = torch.cat(drift)
+    assert logged["mismatch_kl"] == pytest.approx((d.exp() - d - 1).mean().item(), rel=1e-4)
     for got in grads:
         assert set(got) == set(expected)
         error = sum(float((got[k] - expected[k]).norm() ** 2) for k in expected) ** 0.5

@@ -42,6 +42,14 @@ def test_activation_quantization_matches_vllm_granularity():
         # e4m3: half an ulp is 2^-4 of the value; subnormals step 2^-9 of the scale
         bound = x.abs() * 2 ** -4 + (s.repeat_interleave(128, 1) if scheme == "block" else s) * 2 ** -10
         assert ((deq - x).abs() <= bound * 1.0001).all()
+    # vLLM floors dynamic activation scales at 1 / (448 * 512) (fp8_utils MIN_SCALING_FACTOR): rows (or groups) of
+    # tiny or zero values get that scale, and 1e-7 becomes the subnormal code 12 * 2^-9 (1e-7 * 448 * 512 = 0.0229)
+    tiny = torch.full((2, 256), 1e-7)
+    tiny[1] = 0.0
+    for scheme in ("dynamic", "block", "tensor"):
+        q, s = quantize_activation(tiny, scheme)
+        assert torch.all(s == 1 / (448 * 512)), scheme
+        assert torch.all(q[0].float() == 12 / 512) and torch.all(q[1].float() == 0), scheme
 
 
 @pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
@@ -64,7 +72,7 @@ def test_gradients_match_float64_reference(scheme, dtype):
     x64 = x.detach().double().requires_grad_()
     a64 = layer.lora_A.detach().double().requires_grad_()
     b64 = layer.lora_B.detach().double().requires_grad_()
-    y64 = x64 @ w.t() + (x64 @ a64.t() @ b64.t()) * layer.scaling
+    y64 = x64 @ w.t() + (x64 @ a64.t() @ b64.t()) * (16 / 8)  # alpha / rank, not the layer's own value
     (y64 * upstream.double()).sum().backward()
     rtol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     for got, ref in [(x.grad, x64.grad), (layer.lora_A.grad, a64.grad), (layer.lora_B.grad, b64.grad)]:
@@ -603,6 +611,15 @@ def test_shared_input_is_quantized_once_until_it_changes(monkeypatch):
     assert len(calls) == 2
     assert all(torch.allclose(b, m(x.clone())) for b, m in zip(second, layers))
     assert not any(torch.allclose(a, b) for a, b in zip(first, second))
+    # a layer of another granularity reading the same tensor quantizes it its own way (per 1x128 group, not per
+    # token): the cache is keyed by it
+    dynamic, block = (FP8LoRALinear(*quantize_weight(torch.randn(128, 256, generator=g), SCHEMES[scheme],
+                                                     torch.float32), scheme, rank=4, dtype=torch.float32,
+                                    backend="reference") for scheme in ("dynamic", "block"))
+    y = torch.randn(2, 5, 256, generator=g)
+    y[..., :128] *= 1e-3  # the first group far smaller than the row: per token and per group then differ
+    dynamic(y)
+    assert torch.equal(block(y), block(y.clone()))
 
 
 def test_unreadable_fp8_backward_setting_is_refused(monkeypatch):
