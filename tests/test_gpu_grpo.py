@@ -97,6 +97,11 @@ def test_block_model_with_source_precision_mlp_trains_lora_there_with_vllm(tmp_p
                     [lambda completions, **_: [len(c) % 3 / 2 for c in completions]],
                     GRPOConfig(steps=2, prompts_per_step=2, num_generations=4, max_completion_length=16, seed=0))
     assert len(history) == 2 and all(0 <= h["mismatch_kl"] < 0.05 for h in history), history
+    # a second engine in this process: vLLM's allocator serves one; refused before anything is converted or started
+    from fp8kit.errors import Fp8kitError
+
+    with pytest.raises(Fp8kitError, match=r"GiB in this process, and vLLM runs one engine per process; restart"):
+        load_model(tmp_path / "block", load_in_fp8="block", max_seq_length=64, lora_rank=8)
 
 
 ARCH_RUN = r'''

@@ -12,7 +12,7 @@ from fp8kit.errors import Fp8kitError
 from fp8kit.rl.loader import (DEFAULT_SEED, _one_line, _short_repr, check_device, check_seed, load_fp8_model,
                                load_lora_model, lora_targets, read_config, static_activation_scales)
 from fp8kit.rl.rollout import HFRollout
-from fp8kit.rl.vllm_engine import (VLLM_MULTIMODAL, check_engine_kwargs, check_rollout_arguments, check_rollout_model,
+from fp8kit.rl.vllm_engine import (VLLM_MULTIMODAL, check_engine_kwargs, check_no_live_engine, check_rollout_arguments, check_rollout_model,
                                    has_tower)
 
 
@@ -72,6 +72,7 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
         raise Fp8kitError(f"device={str(device)!r}: vLLM rollouts run on cuda:0 of this process; pick the GPU with "
                           f"CUDA_VISIBLE_DEVICES={device.index} and pass device='cuda', or pass fast_inference=False")
     if with_vllm:  # before _checkpoint, which may convert the model
+        check_no_live_engine()
         check_rollout_arguments(dtype, lora_rank)
         check_engine_kwargs(vllm_kwargs or {})
         if lora_rank and "lm_head" in targets:

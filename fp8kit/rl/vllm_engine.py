@@ -144,6 +144,19 @@ def check_rollout_arguments(dtype: torch.dtype, lora_rank: int) -> None:
                           f"pick one of them (or fast_inference=False)")
 
 
+def check_no_live_engine() -> None:
+    """vLLM's sleep-mode allocator serves one engine per process (vllm/v1/worker/gpu_worker.py asserts its pool is
+    empty as the weights load), and the engine of an earlier load_model keeps its memory while its model lives: a
+    second load_model with vLLM (a notebook cell run again) failed with vLLM's AssertionError, after any conversion."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    allocator = CuMemAllocator.instance
+    if allocator is not None and allocator.get_current_usage():
+        raise Fp8kitError(f"a vLLM engine of an earlier load_model holds {allocator.get_current_usage() / 2**30:.1f} "
+                          f"GiB in this process, and vLLM runs one engine per process; restart Python to load "
+                          f"another model with vLLM rollouts, or pass fast_inference=False")
+
+
 # vLLM 0.25 refuses float16 for these model types (vllm/config/model.py, _FLOAT16_NOT_SUPPORTED_MODELS: "Numerical
 # instability. Please use bfloat16 or float32 instead.")
 VLLM_NO_FLOAT16 = ("gemma2", "gemma3", "gemma3_text", "plamo2", "glm4")
