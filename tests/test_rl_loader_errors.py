@@ -503,6 +503,32 @@ def test_vllm_arguments_are_refused_before_any_conversion(monkeypatch, llama_dir
     assert not converted
 
 
+def test_a_second_vllm_engine_in_the_process_is_refused_before_any_conversion(monkeypatch, llama_dir):
+    """vLLM's sleep-mode allocator serves one engine per process: with an earlier engine's memory still in its pool
+    (made here: the allocator module as vLLM leaves it), load_model is refused before converting anything."""
+    import sys
+    import types
+
+    import fp8kit.rl.model as rl_model
+
+    converted = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(rl_model, "_vllm_available", lambda: True)
+    monkeypatch.setattr(rl_model, "_checkpoint", lambda *a: converted.append(a) or pytest.fail("converted first"))
+    pool = types.SimpleNamespace(get_current_usage=lambda: 3 << 30)
+    cumem = types.SimpleNamespace(CuMemAllocator=types.SimpleNamespace(instance=pool))
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
+    with pytest.raises(Fp8kitError) as e:
+        rl_model.load_model(str(llama_dir), device="cuda", lora_rank=8)
+    _one_line(e, "a vLLM engine of an earlier load_model holds 3.0 GiB in this process, and vLLM runs one engine "
+                 "per process; restart Python")
+    pool.get_current_usage = lambda: 0  # its memory released: not refused for it (this folder has no tokenizer)
+    with pytest.raises(Fp8kitError, match="no tokenizer files"):
+        rl_model.load_model(str(llama_dir), device="cuda", lora_rank=8)
+    assert not converted
+
+
 def test_local_model_path_is_stored_expanded_and_absolute(fp8_dir, tmp_path, monkeypatch):
     """load_model('~/x') named the base '~/x' in saved adapters, a path peft cannot open."""
     from fp8kit.models import add_tokenizer

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -148,9 +149,8 @@ def check_no_live_engine() -> None:
     """vLLM's sleep-mode allocator serves one engine per process (vllm/v1/worker/gpu_worker.py asserts its pool is
     empty as the weights load), and the engine of an earlier load_model keeps its memory while its model lives: a
     second load_model with vLLM (a notebook cell run again) failed with vLLM's AssertionError, after any conversion."""
-    from vllm.device_allocator.cumem import CuMemAllocator
-
-    allocator = CuMemAllocator.instance
+    cumem = sys.modules.get("vllm.device_allocator.cumem")  # not imported: no engine has started here
+    allocator = getattr(getattr(cumem, "CuMemAllocator", None), "instance", None)
     if allocator is not None and allocator.get_current_usage():
         raise Fp8kitError(f"a vLLM engine of an earlier load_model holds {allocator.get_current_usage() / 2**30:.1f} "
                           f"GiB in this process, and vLLM runs one engine per process; restart Python to load "
