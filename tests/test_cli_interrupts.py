@@ -244,6 +244,29 @@ def test_ctrl_c_while_the_console_script_imports_torch_is_one_line(tmp_path, lla
     assert not out.exists()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_failure_after_a_swallowed_interrupt_is_the_interrupt(capsys, sig):
+    """An interrupt cleared inside torch's import left numpy half-loaded: a later import failed with a traceback
+    (ImportError, exit 1). Any failure after an interrupt is reported as the interrupt: one line, exit 130."""
+    import click
+
+    from fp8kit.cli import _Command
+
+    @click.command(cls=_Command)
+    def work():
+        try:
+            signal.raise_signal(sig)
+            time.sleep(1)
+        except KeyboardInterrupt:
+            pass  # as torch's C extension clears it
+        raise ImportError("cannot load module more than once per process")
+
+    with pytest.raises(SystemExit) as e:
+        work.main([], standalone_mode=True)
+    assert e.value.code == 130
+    assert capsys.readouterr().err == "error: interrupted; nothing was changed\n"
+
+
 def _prompting_command():
     import click
 

@@ -129,14 +129,19 @@ def test_other_architectures(tmp_path, arch):
     assert (ours - theirs).abs().max() <= LOGIT_ATOL
 
 
-def test_adapter_round_trips_through_peft(fp8_dirs, llama_dir, tmp_path):
-    from peft import PeftModel
-
-    model = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4, lora_alpha=8)
+def _nonzero_lora_b(model):
+    """Seeded non-zero LoRA B (zero at initialisation): an adapter whose weights do not reach a module then shows."""
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("lora_B"):
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+
+
+def test_adapter_round_trips_through_peft(fp8_dirs, llama_dir, tmp_path):
+    from peft import PeftModel
+
+    model = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4, lora_alpha=8)
+    _nonzero_lora_b(model)
     save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(llama_dir))
     with quiet():
         base = load_causal_lm(llama_dir, torch.float32)
@@ -164,10 +169,7 @@ def test_an_lm_head_adapter_saved_by_peft_loads_back(fp8_dirs, llama_dir, tmp_pa
     from fp8kit.errors import Fp8kitError
 
     model = load_fp8_model(fp8_dirs["dynamic"], dtype=torch.float32, lora_rank=4, target_modules=["lm_head", "q_proj"])
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("lora_B"):
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    _nonzero_lora_b(model)
     save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(llama_dir))
     with quiet():
         base = load_causal_lm(fp8_dirs["dynamic"], torch.float32)

@@ -56,7 +56,7 @@ def interrupt_raised() -> bool:
 
 def raise_swallowed_interrupt() -> None:
     """A KeyboardInterrupt for a Ctrl-C or SIGTERM that something swallowed, raised again."""
-    if _raised:
+    if interrupt_raised():
         raise KeyboardInterrupt
 
 

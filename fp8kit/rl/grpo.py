@@ -317,8 +317,8 @@ def _awaited(results: list) -> list:
         return await asyncio.gather(*(results[i] for i in waiting))
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        done = pool.submit(asyncio.run, gather()).result()
-    return [done[waiting.index(i)] if i in waiting else r for i, r in enumerate(results)]
+        done = dict(zip(waiting, pool.submit(asyncio.run, gather()).result()))
+    return [done.get(i, r) for i, r in enumerate(results)]
 
 
 def _rewards(reward_funcs, weights, prompts, completions_text, completion_ids, extra) -> tuple[torch.Tensor, dict]:

@@ -28,9 +28,8 @@ def _out_dtype(*xs: Tensor) -> torch.dtype:
 
 def nanstd(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
     """Bessel-corrected std over the values that are not NaN (TRL's nanstd; NaN where fewer than two are)."""
-    mean = x.nanmean() if dim is None else x.nanmean(dim=dim, keepdim=True)
-    count = (~x.isnan()).sum() if dim is None else (~x.isnan()).sum(dim=dim, keepdim=keepdim)
-    squares = ((x - mean) ** 2).nansum() if dim is None else ((x - mean) ** 2).nansum(dim=dim, keepdim=keepdim)
+    count = (~x.isnan()).sum(dim=dim, keepdim=keepdim)
+    squares = ((x - x.nanmean(dim=dim, keepdim=True)) ** 2).nansum(dim=dim, keepdim=keepdim)
     return (squares / (count - 1)).sqrt().where(count > 1, float("nan"))
 
 
