@@ -233,3 +233,27 @@ def test_the_adapter_reaches_vllm_before_the_first_step_and_no_stale_prefix_is_s
     assert run["after_sync"] == pytest.approx(run["fresh"], abs=1e-3) and run["after_sync"] != run["first"], run
     assert all(0 <= k < 0.05 for k in run["mismatch_kl"]), run
     assert run["mismatch_kl"][0] < 3 * run["mismatch_kl"][1] + 1e-3, run
+
+
+ENV_CACHE_RUN = r'''
+import json
+import vllm.envs as envs
+from fp8kit.rl.vllm_engine import set_engine_environment
+
+envs.enable_envs_cache()  # what an earlier engine's start leaves behind (v1/engine/core.py)
+before = envs.VLLM_ENABLE_V1_MULTIPROCESSING
+set_engine_environment()
+print("@@" + json.dumps({"before": before, "after": envs.VLLM_ENABLE_V1_MULTIPROCESSING}))
+'''
+
+
+@pytest.mark.gpu
+def test_settings_cached_by_an_earlier_engine_do_not_override_the_in_process_engine(tmp_path):
+    """vLLM caches its settings once an engine has run in the process: a cached VLLM_ENABLE_V1_MULTIPROCESSING=1
+    started the rollout engine in a subprocess, and reaching its model raised AttributeError after the whole start."""
+    pytest.importorskip("vllm")
+    proc = subprocess.run([sys.executable, "-c", ENV_CACHE_RUN], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.split("@@")[-1]) == {"before": True, "after": False}

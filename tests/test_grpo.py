@@ -538,6 +538,27 @@ def test_rollout_engine_keeps_precision_casts_for_fp8_checkpoints(tmp_path, llam
     assert "max_num_batched_tokens" not in rollout_engine_kwargs(bf16_qc, {"enable_chunked_prefill": False})
 
 
+def test_the_rollout_engine_reads_its_own_settings_past_vllms_cache(monkeypatch):
+    """vLLM caches its environment once an engine has run in the process (vllm/envs.py: the module's __getattr__
+    wrapped in functools.cache, unwrapped by disable_envs_cache); a cached VLLM_ENABLE_V1_MULTIPROCESSING=1 started
+    the rollout engine in a subprocess. Here vllm.envs is made as vLLM leaves it (tests/test_gpu_grpo.py runs vLLM's)."""
+    import functools
+    import sys
+    import types
+
+    from fp8kit.rl.vllm_engine import set_engine_environment
+
+    envs = types.ModuleType("vllm.envs")
+    envs.__getattr__ = functools.cache(lambda name: os.environ.get(name) == "1")
+    envs.disable_envs_cache = lambda: setattr(envs, "__getattr__", envs.__getattr__.__wrapped__)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setitem(sys.modules, "vllm.envs", envs)
+    assert envs.VLLM_ENABLE_V1_MULTIPROCESSING  # read once, cached
+    set_engine_environment()
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert envs.VLLM_ENABLE_V1_MULTIPROCESSING is False
+
+
 def test_transformers_rollout_stops_at_every_eos_of_the_generation_config(tiny_fp8, tmp_path):
     """vLLM stops at each eos_token_id of generation_config.json (Gemma 3's <end_of_turn>, Llama 3's <|eot_id|>),
     not only at the tokenizer's EOS; the CPU engine must sample the same completions."""

@@ -273,6 +273,26 @@ def rollout_sampling_params(prompts: int, n: int, max_tokens: int, temperature: 
                            seed=(seed * 65537 + i * n) % (2**31 - 1)) for i in range(prompts)]
 
 
+def set_engine_environment() -> None:
+    """The vLLM settings the shared-weight engine needs, made where vLLM will read them. The engine core must run in
+    this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): in a subprocess its weights are out of the trainer's reach,
+    found only after a whole engine start (an AttributeError). vLLM reads its settings from the environment until an
+    engine has run in this process and caches them from then on (vllm/envs.py enable_envs_cache, called by
+    v1/engine/core.py): after an earlier engine's exit that cache is dropped (disable_envs_cache, vLLM's own reset),
+    or settings cached then would override these."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        # Hopper's default block kernel (FlashInfer/DeepGEMM) re-quantizes block weights in place to power-of-two
+        # (UE8M0) scales and quantizes activations with such scales (VLLM_USE_DEEP_GEMM_E8M0 on by default;
+        # vLLM 0.25's vllm/utils/deep_gemm.py is_deep_gemm_e8m0_used, fp8_utils.requant_weight_ue8m0_inplace):
+        # the shared weights would differ from the checkpoint's and vLLM's activations from the trainer's. SM90's
+        # DeepGEMM takes the checkpoint's float32 scales as they are (UE8M0 is Blackwell's format).
+        os.environ.setdefault("VLLM_USE_DEEP_GEMM_E8M0", "0")
+    envs = sys.modules.get("vllm.envs")  # not imported: nothing is cached
+    if envs is not None and hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+
+
 class VLLMRollout:
     """A vLLM engine in this process; its weights are the training model's."""
 
@@ -283,16 +303,7 @@ class VLLMRollout:
                  **engine_kwargs):
         from fp8kit.rl.loader import DEFAULT_TARGETS
 
-        # the model must live in this process: with the engine core in a subprocess (=1), the weights to share are
-        # out of reach, found only after a whole engine start
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
-            # Hopper's default block kernel (FlashInfer/DeepGEMM) re-quantizes block weights in place to power-of-two
-            # (UE8M0) scales and quantizes activations with such scales (VLLM_USE_DEEP_GEMM_E8M0 on by default;
-            # vLLM 0.25's vllm/utils/deep_gemm.py is_deep_gemm_e8m0_used, fp8_utils.requant_weight_ue8m0_inplace):
-            # the shared weights would differ from the checkpoint's and vLLM's activations from the trainer's. SM90's
-            # DeepGEMM takes the checkpoint's float32 scales as they are (UE8M0 is Blackwell's format).
-            os.environ.setdefault("VLLM_USE_DEEP_GEMM_E8M0", "0")
+        set_engine_environment()
         kwargs = rollout_llm_kwargs(path, dtype, max_seq_length, gpu_memory_utilization, lora_rank, target_modules,
                                     engine_kwargs)
         from vllm import LLM
