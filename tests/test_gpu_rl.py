@@ -167,6 +167,30 @@ def test_block_layer_with_a_token_count_not_a_multiple_of_4_matches_reference(fp
         assert ((got(one).float() - want(one).float()).norm() / want(one).float().norm()) < 5e-3
 
 
+@pytest.mark.parametrize("scheme", ["dynamic", "tensor"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("fp8_backward", [False, True])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_layers_with_widths_not_multiples_of_16_match_reference(scheme, backend, fp8_backward, compiled):
+    """cuBLASLt's FP8 GEMMs refuse a dimension that is not a multiple of 16 (torch._scaled_mm raised; vLLM pads such
+    weights): a 100 x 200 layer computes the reference function, forward and backward, eager and compiled."""
+    torch._dynamo.reset()
+
+    def odd(backend):
+        g = torch.Generator().manual_seed(0)
+        w_q, w_s = quantize_weight(torch.randn(100, 200, generator=g) * 0.02, SCHEMES[scheme], torch.float32)
+        m = FP8LoRALinear(w_q, w_s, scheme, rank=16, alpha=32, dtype=torch.bfloat16, backend=backend,
+                          fp8_backward=fp8_backward)
+        with torch.no_grad():
+            m.lora_A.copy_(torch.randn(16, 200, generator=g) * 0.02)
+            m.lora_B.copy_(torch.randn(100, 16, generator=g) * 0.02)
+        return m.cuda()
+
+    got = odd(backend)
+    _same_function(odd("reference"), got, (4, 64, 200), out_tol=5e-3, grad_tol=1e-2,
+                   run_got=torch.compile(got, fullgraph=True) if compiled else None)
+
+
 @pytest.mark.parametrize("fp8_backward", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_block_layer_on_the_triton_gemm_matches_reference(monkeypatch, fp8_backward, compiled):
@@ -329,6 +353,30 @@ def test_loaded_model_on_cuda(tmp_path, llama_dir):
     # activations to the next FP8 value (6% steps), which this small random model amplifies to ~3% of the
     # logits (measured on an H200 with the reference backend on both sides); a broken load is off by ~100%.
     assert (a - b).norm() / a.norm() < 0.1
+
+
+def test_model_with_an_mlp_width_not_a_multiple_of_16_trains_on_cuda(tmp_path):
+    """An MLP 100 wide (vLLM pads it for its FP8 kernel): the fused MLP and the GEMMs cuBLASLt refuses run on the GPU,
+    logits as the CPU's (the tolerance of test_loaded_model_on_cuda), and the LoRA gradients are finite and nonzero."""
+    from fp8kit import convert
+    from fp8kit.models import build_checkpoint
+    from fp8kit.rl.loader import lora_modules
+
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=3, intermediate_size=100)
+    out = convert(src, tmp_path / "fp8", scheme="dynamic").out
+    ids = torch.randint(0, 512, (2, 64))
+    cpu = load_fp8_model(out, dtype=torch.float32, lora_rank=4)
+    gpu = load_fp8_model(out, dtype=torch.bfloat16, lora_rank=4, device="cuda")
+    with torch.no_grad():
+        for m in lora_modules(cpu).values():
+            m.lora_B.normal_(0, 0.02)
+    gpu.load_state_dict(cpu.state_dict())
+    a = cpu(input_ids=ids).logits
+    b = gpu(input_ids=ids.cuda()).logits
+    assert (a.detach() - b.detach().float().cpu()).norm() / a.norm() < 0.1
+    b.float().logsumexp(-1).mean().backward()
+    grads = [p.grad for m in lora_modules(gpu).values() for p in (m.lora_A, m.lora_B)]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
 
 
 def test_block_model_generates_one_sequence_on_cuda(tmp_path, llama_dir):

@@ -538,6 +538,56 @@ def test_rollout_engine_keeps_precision_casts_for_fp8_checkpoints(tmp_path, llam
     assert "max_num_batched_tokens" not in rollout_engine_kwargs(bf16_qc, {"enable_chunked_prefill": False})
 
 
+def test_weights_vllm_padded_for_cutlass_are_shared_as_the_layers_own_views():
+    """vLLM's CUTLASS FP8 kernel pads a weight whose dimensions are not multiples of 16 (zeros; its per-channel scale
+    with ones) and stores it transposed: the trainer's weights are the unpadded [out, in] views of that storage (the
+    fused gate/up split as well); before, the padded shapes were refused as a checkpoint not matching its config.
+    The vLLM layers are made here as vLLM 0.25's padding code lays them out (kernels/linear/scaled_mm/cutlass.py);
+    on the GPU, tests/test_gpu_grpo.py's llama_odd runs vLLM's own (padded along the inputs only: vLLM 0.25 fails
+    to load a per-channel layer it pads along its outputs)."""
+    from torch import nn
+    from transformers import LlamaConfig
+
+    from fp8kit.rl.vllm_engine import _rows, shared_tensors
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=100, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=90)
+    g = torch.Generator().manual_seed(0)
+
+    def vllm_layer(out_n, in_k):
+        weight = (torch.randn(out_n, in_k, generator=g) * 50).to(torch.float8_e4m3fn)
+        scale = torch.rand(out_n, 1, generator=g) + 0.5
+        pad_n, pad_k = -out_n % 16, -in_k % 16
+        stored = torch.zeros(out_n + pad_n, in_k + pad_k, dtype=torch.float8_e4m3fn)
+        stored[:out_n, :in_k] = weight
+        layer = nn.Module()
+        layer.input_size, layer.output_size = in_k, out_n
+        layer.weight = nn.Parameter(stored.t(), requires_grad=False)  # [in, out] over [out, in] storage
+        layer.weight_scale = nn.Parameter(torch.cat([scale, torch.ones(pad_n, 1)]), requires_grad=False)
+        return layer, weight, scale
+
+    model, want = nn.Module(), {}
+    model.model = nn.Module()
+    layers = nn.ModuleList([nn.Module()])
+    model.model.layers = layers
+    layers[0].mlp = nn.Module()
+    for short, out_n, in_k in [("gate_up_proj", 200, 64), ("down_proj", 64, 100)]:
+        layer, weight, scale = vllm_layer(out_n, in_k)
+        setattr(layers[0].mlp, short, layer)
+        want[short] = (weight, scale)
+    tensors = {k: get() for k, get in shared_tensors(model, config, "dynamic").items()}
+    gate_up, down = layers[0].mlp.gate_up_proj, layers[0].mlp.down_proj
+    for name, (lo, hi), short in [("gate_proj", (0, 100), "gate_up_proj"), ("up_proj", (100, 200), "gate_up_proj"),
+                                  ("down_proj", (0, 64), "down_proj")]:
+        weight, scale = tensors[f"model.layers.0.mlp.{name}.weight"], tensors[f"model.layers.0.mlp.{name}.weight_scale"]
+        assert weight.shape == want[short][0][lo:hi].shape and scale.shape == (hi - lo, 1), name
+        assert torch.equal(weight.view(torch.uint8), want[short][0][lo:hi].view(torch.uint8)), name
+        assert torch.equal(scale, want[short][1][lo:hi]), name
+        stored = _rows(getattr(layers[0].mlp, short).weight)
+        assert weight.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr(), name  # views, no copies
+    assert _rows(down.weight).shape == (64, 112) and _rows(gate_up.weight).shape == (208, 64)  # vLLM's padding
+
+
 def test_the_rollout_engine_reads_its_own_settings_past_vllms_cache(monkeypatch):
     """vLLM caches its environment once an engine has run in the process (vllm/envs.py: the module's __getattr__
     wrapped in functools.cache, unwrapped by disable_envs_cache); a cached VLLM_ENABLE_V1_MULTIPROCESSING=1 started

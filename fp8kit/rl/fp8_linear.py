@@ -139,13 +139,22 @@ def _(xq, weight, xs, ws, out_dtype):
     return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=out_dtype)
 
 
+def gemm_aligned(weight: torch.Tensor) -> bool:
+    """Whether the FP8 GEMM kernels take this weight: cuBLASLt's (torch._scaled_mm) and the libraries' need both of its
+    dimensions in multiples of 16. vLLM pads such a weight with zeros for its CUTLASS kernel
+    (kernels/linear/scaled_mm/cutlass.py process_weights_after_loading); the trainer computes that layer from the
+    dequantized operands in float32 instead (the reference's function, transient copies only): such widths are rare
+    in LLMs, and a padded copy would be a second weight."""
+    return weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
 def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, scheme: str,
                out_dtype: torch.dtype, backend: str, fast_accum: bool = False) -> torch.Tensor:
     """(xq * xs) @ (weight * ws).T with FP8 operands; float32 accumulation, or with fast_accum (per-token and
     per-tensor GEMMs on the GPU) Hopper's FP8 accumulator without periodic float32 promotion, as vLLM's SM90
     CUTLASS kernels accumulate (KernelTmaWarpSpecializedPingpongFP8FastAccum in
     csrc/quantization/w8a8/cutlass/c3x/scaled_mm_sm90_fp8_dispatch.cuh). Block GEMMs promote per 128-K block."""
-    if backend == "reference":
+    if backend == "reference" or not gemm_aligned(weight):
         return (_dequantize_activation(xq, xs, scheme) @ dequantize_weight(weight, ws, scheme, torch.float32).t()
                 ).to(out_dtype)
     if scheme == "tensor":  # per-token activations and one weight scale: the row-wise GEMM, scale broadcast
@@ -175,7 +184,7 @@ def fp8_input_grad(gq: torch.Tensor, gs: torch.Tensor, weight: torch.Tensor, ws:
     otherwise (the weight scale is already in gq). On the GPU the FP8 GEMM needs W K-major along N, i.e. W.T
     contiguous (cuBLASLt and Hopper's FP8 wgmma take FP8 operands in TN layout only): one transposed FP8 copy
     of this weight lives for this product."""
-    if backend == "reference":
+    if backend == "reference" or not gemm_aligned(weight):
         g = _dequantize_activation(gq, gs, "block" if scheme == "block" else "dynamic")
         w = dequantize_weight(weight, ws, scheme, torch.float32) if scheme == "block" else weight.float()
         return (g @ w).to(out_dtype)

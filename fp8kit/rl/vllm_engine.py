@@ -62,6 +62,21 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _unpadded(tensor: torch.Tensor, layer: nn.Module, leaf: str) -> torch.Tensor:
+    """The layer's own [out, in] weight (or [out] scale) inside vLLM's storage: vLLM's CUTLASS FP8 kernel pads a
+    weight whose dimensions are not multiples of 16 with zeros, and its per-channel scale with ones
+    (kernels/linear/scaled_mm/cutlass.py process_weights_after_loading). With one GPU a vLLM Linear's input_size and
+    output_size are the whole layer's (linear.py LinearBase); `tensor` is a weight already in [out, in] rows."""
+    out_n, in_k = getattr(layer, "output_size", None), getattr(layer, "input_size", None)
+    if not (isinstance(out_n, int) and isinstance(in_k, int)):
+        return tensor
+    if leaf == "weight" and tensor.ndim == 2 and tensor.shape != (out_n, in_k):
+        return tensor[:out_n, :in_k]
+    if leaf == "weight_scale" and tensor.numel() > 1 and tensor.shape[0] > out_n:
+        return tensor[:out_n]
+    return tensor
+
+
 def shared_tensors(vllm_model: nn.Module, config, scheme: str | None) -> dict:
     """HF tensor name -> getter of a view of vLLM's storage (no copies), for loader.assemble."""
     vocab = config.get_text_config().vocab_size
@@ -69,12 +84,17 @@ def shared_tensors(vllm_model: nn.Module, config, scheme: str | None) -> dict:
     params = dict(vllm_model.named_parameters())
     params.update({n: b for n, b in vllm_model.named_buffers() if n.endswith(("weight_scale", "weight_scale_inv"))})
     for name, tensor in params.items():
+        layer = vllm_model.get_submodule(name.rpartition(".")[0])
         name = name.replace(".base_layer.", ".")
         module, _, leaf = name.rpartition(".")
         if leaf == "input_scale" or "lora_" in name:
             continue
         if leaf == "weight_scale_inv":
             leaf = "weight_scale"
+        if leaf == "weight" and tensor.ndim == 2 and not name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            tensor = _unpadded(_rows(tensor), layer, leaf)
+        elif leaf == "weight_scale" and scheme != "block":
+            tensor = _unpadded(tensor, layer, leaf)
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             out[name] = (lambda t=tensor: t[:vocab])
             continue
@@ -82,7 +102,7 @@ def shared_tensors(vllm_model: nn.Module, config, scheme: str | None) -> dict:
         if short in FUSED:
             sizes = split_sizes(config, short)
             if leaf == "weight":
-                parts = torch.split(_rows(tensor), sizes, dim=0)
+                parts = torch.split(tensor, sizes, dim=0)
             elif leaf == "bias":
                 parts = torch.split(tensor, sizes, dim=0)
             elif tensor.numel() == 1:  # per-tensor: one scale shared by the fused shards after re-quantization
@@ -96,7 +116,7 @@ def shared_tensors(vllm_model: nn.Module, config, scheme: str | None) -> dict:
             for sub, part in zip(FUSED[short], parts):
                 out[f"{parent}.{sub}.{leaf}"] = (lambda t=part: t)
         elif leaf == "weight" and tensor.ndim == 2 and tensor.dtype == torch.float8_e4m3fn:
-            out[name] = (lambda t=_rows(tensor): t)
+            out[name] = (lambda t=tensor: t)
         elif leaf in ("weight", "bias", "weight_scale"):
             out[f"{module}.{leaf}"] = (lambda t=tensor: t)
     return out
