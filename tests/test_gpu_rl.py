@@ -125,6 +125,29 @@ def test_triton_grad_quantizer_and_transpose_write_torch_bytes(scheme):
     assert torch.equal(transpose_fp8(w).view(torch.uint8), w.t().contiguous().view(torch.uint8))
 
 
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_dequantized_weight_is_torch_s_to_the_bit(scheme, dtype):
+    """The exact input gradient's dequantized weight, one Triton pass against fp8_linear.dequantize_weight's torch ops:
+    the same bytes, for sizes that are not tile (or block) multiples, a strided weight (vLLM's padded storage) and
+    the fused layer's weight, whose backward uses it."""
+    from fp8kit.rl.fp8_linear import dequantize_weight
+    from fp8kit.rl.triton_quant import dequantize_weight_triton
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 520, generator=g) * 0.02
+    if scheme == "block":
+        w = torch.randn(384, 640, generator=g) * 0.02  # a partial last column block is refused at load
+    w_q, w_s = quantize_weight(w, SCHEMES[scheme], torch.float32)
+    w_q, w_s = w_q.cuda(), (w_s * 3.7).cuda()  # scales that are not exact in bf16/fp16
+    padded = torch.zeros(w_q.shape[0] + 16, w_q.shape[1] + 8, dtype=w_q.dtype, device="cuda")
+    padded[: w_q.shape[0], : w_q.shape[1]] = w_q
+    for weight in (w_q, padded[: w_q.shape[0], : w_q.shape[1]]):
+        want = dequantize_weight(weight, w_s, scheme, dtype)
+        got = dequantize_weight_triton(weight, w_s, scheme, dtype)
+        assert got.dtype == dtype and torch.equal(got, want), (got - want).abs().max()
+
+
 @pytest.mark.parametrize("m,n,k", [(512, 1024, 2048), (300, 200, 384), (1, 384, 256), (1, 256, 512),
                                    (257, 384, 896), (4096, 3072, 1024)])
 def test_triton_block_gemm_matches_float64(m, n, k):

@@ -80,6 +80,20 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, scheme: str, dt
     return w * scale.to(dtype).reshape(-1, 1) if scale.numel() > 1 else w * scale.to(dtype)
 
 
+def _dequantized(weight: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype,
+                 backend: str) -> torch.Tensor:
+    """dequantize_weight for the exact input gradient: on the GPU one Triton pass writing the same bytes
+    (triton_quant.dequantize_weight_triton); compiled, Inductor fuses torch's ops itself."""
+    if weight.is_cuda and backend != "reference" and not torch.compiler.is_compiling():
+        try:
+            from fp8kit.rl.triton_quant import dequantize_weight_triton
+        except ImportError:
+            pass
+        else:
+            return dequantize_weight_triton(weight, scale, scheme, dtype)
+    return dequantize_weight(weight, scale, scheme, dtype)
+
+
 def _dequantize_activation(q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
     if scheme == "block":
         return (q.float().reshape(q.shape[0], -1, GROUP) * scale[:, :, None]).reshape(q.shape)
@@ -332,7 +346,7 @@ class _FP8MatMul(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:  # the dequantized weight lives only for this product
             # fp16 would flush small scaled weights to subnormals: dequantize in float32 first
             dtype = torch.float32 if grad_out.dtype == torch.float16 else grad_out.dtype
-            grad_in = grad_out @ dequantize_weight(weight, weight_scale, ctx.scheme, dtype).to(grad_out.dtype)
+            grad_in = grad_out @ _dequantized(weight, weight_scale, ctx.scheme, dtype, ctx.backend).to(grad_out.dtype)
         return None, grad_in, None, None, None, None, None, None, None, None
 
 

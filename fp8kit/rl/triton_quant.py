@@ -1,6 +1,6 @@
 """Fused Triton kernels around the FP8 GEMMs: activation quantization (amax, scale and cast in one pass), the
-gated MLP's SiLU and multiply with the down projection's quantization (and their backward), and the transposed
-FP8 weight copy that the input-gradient GEMM reads.
+gated MLP's SiLU and multiply with the down projection's quantization (and their backward), the transposed
+FP8 weight copy that the FP8 input-gradient GEMM reads, and the dequantized weight that the exact one multiplies.
 
 Quantizing with eager torch ops before torch._scaled_mm takes an H100 from 1350 to 471-807 TFLOP/s
 (../shared/gpu/README.md); one kernel reads the activation once and writes FP8 and scales. The arithmetic
@@ -222,4 +222,43 @@ def transpose_fp8(w: torch.Tensor) -> torch.Tensor:
     out = torch.empty((C, R), dtype=w.dtype, device=w.device)
     _transpose_bytes[(triton.cdiv(R, 64), triton.cdiv(C, 64))](w.view(torch.uint8), out.view(torch.uint8), R, C,
                                                                BR=64, BC=64)
+    return out
+
+
+@triton.jit
+def _dequantize_tiles(w_ptr, s_ptr, out_ptr, R, C, stride_w, s_cols, SCALES: tl.constexpr, BR: tl.constexpr,
+                      BC: tl.constexpr, SCALE_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # 64-bit offsets: a weight may pass 2**31 bytes
+    c = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
+    mask = (r[:, None] < R) & (c[None, :] < C)
+    w = tl.load(w_ptr + r[:, None] * stride_w + c[None, :], mask=mask).to(tl.float32)
+    if SCALES == 0:  # one per tensor
+        s = tl.load(s_ptr)
+    elif SCALES == 1:  # one per row
+        s = tl.load(s_ptr + r, mask=r < R)[:, None]
+    else:  # 128x128 blocks
+        s = tl.load(s_ptr + (r[:, None] // 128) * s_cols + c[None, :] // 128, mask=mask)
+    s = s.to(SCALE_DTYPE).to(tl.float32)
+    tl.store(out_ptr + r[:, None] * C + c[None, :], (w * s).to(OUT_DTYPE), mask=mask)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def dequantize_weight_triton(weight: torch.Tensor, scale: torch.Tensor, scheme: str,
+                             dtype: torch.dtype) -> torch.Tensor:
+    """fp8_linear.dequantize_weight in one pass (read the FP8 bytes, write `dtype`): torch's takes three (the cast, then
+    the product read and written again), which at GRPO's micro-batches (3,072 tokens) cost the exact input gradient
+    more than the FP8 forward saves. The same bytes: the FP8 value and the scale rounded to `dtype` (both exact in
+    float32), their float32 product rounded to `dtype` once, as torch's `dtype` multiply does. Rows may be strided
+    (a vLLM weight padded for its kernel)."""
+    R, C = weight.shape
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    scale = scale.float().contiguous()
+    scales = 2 if scheme == "block" else (1 if scale.numel() > 1 else 0)  # blocks, rows, one per tensor
+    out = torch.empty((R, C), dtype=dtype, device=weight.device)
+    _dequantize_tiles[(triton.cdiv(R, 32), triton.cdiv(C, 256))](
+        weight, scale, out, R, C, weight.stride(0), scale.shape[-1] if scales == 2 else 1, SCALES=scales,
+        BR=32, BC=256, SCALE_DTYPE=_TL_DTYPES[dtype], OUT_DTYPE=_TL_DTYPES[dtype])
     return out
