@@ -108,6 +108,12 @@ def test_toy_script_refuses_vllm_with_float32_off_cuda_or_without_vllm_before_bu
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 1 and proc.stderr == f"error: --workdir {tmp_path / 'afile'}: a file, not a folder; " \
                                                    f"choose another folder\n", proc.stderr
+    # a folder under that file: the OS's reason, in one line
+    proc = subprocess.run([sys.executable, str(TOY), "--workdir", str(tmp_path / "afile" / "sub"), "--steps", "1"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith(f"error: --workdir {tmp_path / 'afile' / 'sub'}: ") and "Not a directory" in \
+        proc.stderr and proc.stderr.endswith("; choose another folder\n"), proc.stderr
     # on a GPU machine without vLLM (made here: CUDA said visible, the vllm import failing), named before any work
     wrapper = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; sys.modules['vllm'] = None; "
                f"sys.argv = [{str(TOY)!r}, *sys.argv[1:]]; runpy.run_path({str(TOY)!r}, run_name='__main__')")
@@ -530,3 +536,39 @@ def test_what_vllm_would_refuse_of_the_model_is_refused_before_converting_or_sta
         load_model(str(tiny_fp8), max_seq_length=300, lora_rank=16)
     monkeypatch.undo()
     load_model(str(tiny_fp8), max_seq_length=300, lora_rank=16, fast_inference=False, device="cpu")  # transformers'
+
+
+def test_the_longest_max_seq_length_is_vllms_own(tmp_path, monkeypatch):
+    """vLLM derives the longest max_model_len from max_position_embeddings, the tokenizer's model_max_length and the
+    RoPE factor, but does not extend Llama 3's RoPE: a Llama 3 config passed the early check as 'scaled' and vLLM then
+    refused the length after the conversion; a tokenizer's shorter model_max_length was not looked at."""
+    from transformers import LlamaConfig
+
+    from fp8kit.rl.vllm_engine import check_rollout_model, vllm_max_model_len
+
+    def config(**rope):
+        return LlamaConfig(max_position_embeddings=256, rope_parameters={"rope_theta": 10000.0, **rope} if rope else None)
+
+    llama3 = config(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=128)
+    assert vllm_max_model_len(llama3, tmp_path)[0] == 256
+    with pytest.raises(Fp8kitError) as e:
+        check_rollout_model(llama3, tmp_path, torch.bfloat16, 257)
+    assert "\n" not in str(e.value) and "max_seq_length=257 is past the model's 256 positions" in str(e.value)
+    assert str(e.value).endswith("pass max_seq_length=256 or less")
+    linear = config(rope_type="linear", factor=2.0)
+    assert vllm_max_model_len(linear, tmp_path)[0] == 512
+    check_rollout_model(linear, tmp_path, torch.bfloat16, 512)
+    with pytest.raises(Fp8kitError, match="past the model's 256 positions .* times its RoPE factor 2"):
+        check_rollout_model(linear, tmp_path, torch.bfloat16, 513)
+    yarn = config(rope_type="yarn", factor=4.0, original_max_position_embeddings=128)
+    assert vllm_max_model_len(yarn, tmp_path) == (512, "YaRN's original_max_position_embeddings 128 times its RoPE "
+                                                       "factor 4")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 200}))
+    with pytest.raises(Fp8kitError) as e:
+        check_rollout_model(config(), tmp_path, torch.bfloat16, 201)
+    assert "past the tokenizer's model_max_length 200 (tokenizer_config.json)" in str(e.value)
+    assert str(e.value).endswith("pass max_seq_length=200 or less")
+    check_rollout_model(config(), tmp_path, torch.bfloat16, 200)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own override, taken as vLLM takes it
+    check_rollout_model(config(), tmp_path, torch.bfloat16, 4096)

@@ -26,6 +26,7 @@ at its recorded virtual addresses (device_allocator/cumem.py maps each handle th
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -182,33 +183,56 @@ def check_no_live_engine() -> None:
 VLLM_NO_FLOAT16 = ("gemma2", "gemma3", "gemma3_text", "plamo2", "glm4")
 
 
-def _rope_scaled(text_config) -> bool:
-    """Whether the RoPE configuration scales positions (a factor, YaRN, LongRoPE, Llama 3's), which lets vLLM serve
-    past max_position_embeddings; transformers 5 keeps it in rope_parameters, one dict or one per layer type."""
-    params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None)
-    if not isinstance(params, dict):
-        return False
-    kinds = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
-    return any(isinstance(k, dict) and (k.get("rope_type") or k.get("type") or "default") != "default" for k in kinds)
+def vllm_max_model_len(config, path: Path) -> tuple[float, str]:
+    """The longest max_model_len vLLM 0.25 takes for this model, and why (vllm/config/model.py
+    _get_and_verify_max_len): max_position_embeddings, lowered by the tokenizer's model_max_length
+    (tokenizer_config.json), then times the RoPE factor, except for Llama 3's, LongRoPE's and "su" RoPE (vLLM does not
+    extend those) and for Gemma 3 (its positions already include the scaling); YaRN starts from
+    original_max_position_embeddings. config.json's own model_max_length, if larger, overrides the result."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    positions = getattr(text, "max_position_embeddings", None)
+    if not isinstance(positions, int):
+        return math.inf, "no max_position_embeddings in config.json"
+    derived, why = positions, f"the model's {positions} positions (max_position_embeddings in config.json)"
+    tokenizer_config = Path(path) / "tokenizer_config.json"
+    try:
+        limit = json.loads(tokenizer_config.read_text()).get("model_max_length") if tokenizer_config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        limit = None
+    if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit < derived:
+        derived, why = limit, f"the tokenizer's model_max_length {limit:g} (tokenizer_config.json)"
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    if isinstance(params, dict) and params and "gemma3" not in getattr(config, "model_type", ""):
+        kinds = params.values() if all(isinstance(v, dict) for v in params.values()) else [params]
+        factor = 1.0
+        for kind in kinds:
+            rope_type = kind.get("rope_type") or kind.get("type") or "default"
+            if rope_type not in ("su", "longrope", "llama3"):
+                factor = kind.get("factor", factor)
+                if rope_type == "yarn" and isinstance(kind.get("original_max_position_embeddings"), int):
+                    derived = kind["original_max_position_embeddings"]
+                    why = f"YaRN's original_max_position_embeddings {derived}"
+        if factor and factor != 1.0:
+            derived, why = derived * factor, f"{why} times its RoPE factor {factor:g}"
+    override = getattr(text, "model_max_length", None)
+    if isinstance(override, int) and override > derived:
+        derived, why = override, f"model_max_length {override} in config.json"
+    return derived, why
 
 
 def check_rollout_model(config, path: Path, dtype: torch.dtype, max_seq_length: int) -> None:
     """vLLM's refusals of this model's dtype and context length, made before its engine starts (and, for an original
     checkpoint, before the conversion): float16 for the model types vLLM keeps it from, and a max_seq_length past
-    the model's max_position_embeddings where RoPE does not scale positions (vllm/config/model.py,
-    _get_and_verify_max_len; Gemma 3's already includes its scaling, which vLLM does not apply again)."""
+    what vLLM derives from the config and tokenizer (vllm_max_model_len), unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."""
     model_type = getattr(config, "model_type", "")
     if dtype == torch.float16 and model_type in VLLM_NO_FLOAT16:
         raise Fp8kitError(f"{path}: vLLM does not run {model_type} in float16 (numerical instability); pass "
                           f"dtype=torch.bfloat16, or fast_inference=False")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    positions = getattr(text, "max_position_embeddings", None)
-    if (isinstance(positions, int) and max_seq_length > positions
-            and (not _rope_scaled(text) or "gemma3" in model_type)
-            and max_seq_length > (getattr(text, "model_max_length", None) or 0)):  # vLLM's override, if set
-        raise Fp8kitError(f"{path}: max_seq_length={max_seq_length} is past the model's {positions} positions "
-                          f"(max_position_embeddings in config.json), which vLLM refuses; pass "
-                          f"max_seq_length={positions} or less")
+    longest, why = vllm_max_model_len(config, path)
+    allowed = os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")  # as vllm/envs.py
+    if max_seq_length > longest and not allowed:
+        raise Fp8kitError(f"{path}: max_seq_length={max_seq_length} is past {why}, which vLLM refuses; pass "
+                          f"max_seq_length={int(longest)} or less")
 
 
 def rollout_llm_kwargs(path: str | Path, dtype: torch.dtype, max_seq_length: int, gpu_memory_utilization: float,
