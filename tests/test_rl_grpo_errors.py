@@ -539,36 +539,39 @@ def test_what_vllm_would_refuse_of_the_model_is_refused_before_converting_or_sta
 
 
 def test_the_longest_max_seq_length_is_vllms_own(tmp_path, monkeypatch):
-    """vLLM derives the longest max_model_len from max_position_embeddings, the tokenizer's model_max_length and the
-    RoPE factor, but does not extend Llama 3's RoPE: a Llama 3 config passed the early check as 'scaled' and vLLM then
-    refused the length after the conversion; a tokenizer's shorter model_max_length was not looked at."""
+    """vLLM derives the longest max_model_len from config.json's length (its model_max_length where set) and the RoPE
+    factor, but does not extend Llama 3's RoPE: a Llama 3 config passed the early check as 'scaled' and vLLM then
+    refused the length after the conversion. A tokenizer's shorter model_max_length is not vLLM's limit for a
+    generative model (it reads it for pooling models only), so it is not refused for it either."""
     from transformers import LlamaConfig
 
     from fp8kit.rl.vllm_engine import check_rollout_model, vllm_max_model_len
 
-    def config(**rope):
-        return LlamaConfig(max_position_embeddings=256, rope_parameters={"rope_theta": 10000.0, **rope} if rope else None)
+    def config(model_max_length=None, **rope):
+        made = LlamaConfig(max_position_embeddings=256, rope_parameters={"rope_theta": 10000.0, **rope} if rope else None)
+        if model_max_length:
+            made.model_max_length = model_max_length
+        return made
 
     llama3 = config(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=128)
-    assert vllm_max_model_len(llama3, tmp_path)[0] == 256
+    assert vllm_max_model_len(llama3)[0] == 256
     with pytest.raises(Fp8kitError) as e:
         check_rollout_model(llama3, tmp_path, torch.bfloat16, 257)
     assert "\n" not in str(e.value) and "max_seq_length=257 is past the model's 256 positions" in str(e.value)
     assert str(e.value).endswith("pass max_seq_length=256 or less")
     linear = config(rope_type="linear", factor=2.0)
-    assert vllm_max_model_len(linear, tmp_path)[0] == 512
+    assert vllm_max_model_len(linear)[0] == 512
     check_rollout_model(linear, tmp_path, torch.bfloat16, 512)
     with pytest.raises(Fp8kitError, match="past the model's 256 positions .* times its RoPE factor 2"):
         check_rollout_model(linear, tmp_path, torch.bfloat16, 513)
     yarn = config(rope_type="yarn", factor=4.0, original_max_position_embeddings=128)
-    assert vllm_max_model_len(yarn, tmp_path) == (512, "YaRN's original_max_position_embeddings 128 times its RoPE "
-                                                       "factor 4")
+    assert vllm_max_model_len(yarn) == (512, "YaRN's original_max_position_embeddings 128 times its RoPE factor 4")
+    # config.json's model_max_length is the base, before the RoPE factor (Command-R's)
+    assert vllm_max_model_len(config(model_max_length=512.0, rope_type="linear", factor=2.0))[0] == 1024
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 200}))
-    with pytest.raises(Fp8kitError) as e:
-        check_rollout_model(config(), tmp_path, torch.bfloat16, 201)
-    assert "past the tokenizer's model_max_length 200 (tokenizer_config.json)" in str(e.value)
-    assert str(e.value).endswith("pass max_seq_length=200 or less")
-    check_rollout_model(config(), tmp_path, torch.bfloat16, 200)
+    check_rollout_model(config(), tmp_path, torch.bfloat16, 256)
+    with pytest.raises(Fp8kitError, match="max_seq_length=257 is past the model's 256 positions"):
+        check_rollout_model(config(), tmp_path, torch.bfloat16, 257)
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own override, taken as vLLM takes it
     check_rollout_model(config(), tmp_path, torch.bfloat16, 4096)

@@ -92,7 +92,8 @@ def shared_tensors(vllm_model: nn.Module, config, scheme: str | None) -> dict:
             continue
         if leaf == "weight_scale_inv":
             leaf = "weight_scale"
-        if leaf == "weight" and tensor.ndim == 2 and not name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        fused = module.rpartition(".")[2] in FUSED
+        if leaf == "weight" and tensor.ndim == 2 and (tensor.dtype == torch.float8_e4m3fn or fused):
             tensor = _unpadded(_rows(tensor), layer, leaf)
         elif leaf == "weight_scale" and scheme != "block":
             tensor = _unpadded(tensor, layer, leaf)
@@ -183,26 +184,32 @@ def check_no_live_engine() -> None:
 VLLM_NO_FLOAT16 = ("gemma2", "gemma3", "gemma3_text", "plamo2", "glm4")
 
 
-def vllm_max_model_len(config, path: Path) -> tuple[float, str]:
-    """The longest max_model_len vLLM 0.25 takes for this model, and why (vllm/config/model.py
-    _get_and_verify_max_len): max_position_embeddings, lowered by the tokenizer's model_max_length
-    (tokenizer_config.json), then times the RoPE factor, except for Llama 3's, LongRoPE's and "su" RoPE (vLLM does not
-    extend those) and for Gemma 3 (its positions already include the scaling); YaRN starts from
-    original_max_position_embeddings. config.json's own model_max_length, if larger, overrides the result."""
+# config.json keys vLLM 0.25 reads a model's length from, the smallest winning (transformers_utils/
+# model_arch_config_convertor.py derive_max_model_len_and_key)
+LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+               "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+
+
+def vllm_max_model_len(config) -> tuple[float, str]:
+    """The longest max_model_len vLLM 0.25 takes for this generative model, and why (vllm/config/model.py
+    _get_and_verify_max_len): the smallest of config.json's length keys, or its model_max_length where it sets one
+    (Command-R's), times the RoPE factor, except for Llama 3's, LongRoPE's and "su" RoPE (vLLM does not extend those)
+    and for Gemma 3 (its positions already include the scaling); YaRN starts from original_max_position_embeddings.
+    vLLM reads the tokenizer's model_max_length for pooling models only (ModelConfig.get_and_verify_max_len)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    positions = getattr(text, "max_position_embeddings", None)
-    if not isinstance(positions, int):
-        return math.inf, "no max_position_embeddings in config.json"
-    derived, why = positions, f"the model's {positions} positions (max_position_embeddings in config.json)"
-    tokenizer_config = Path(path) / "tokenizer_config.json"
-    try:
-        limit = json.loads(tokenizer_config.read_text()).get("model_max_length") if tokenizer_config.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        limit = None
-    if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit < derived:
-        derived, why = limit, f"the tokenizer's model_max_length {limit:g} (tokenizer_config.json)"
+    found = {k: v for k in LENGTH_KEYS if isinstance(v := getattr(text, k, None), (int, float))
+             and not isinstance(v, bool)}
+    if not found:
+        return math.inf, "no length in config.json"
+    key = min(found, key=found.get)
+    if found.get("model_max_length"):
+        key = "model_max_length"
+    derived = found[key]
+    why = f"{key} {derived:g} in config.json"
+    if key == "max_position_embeddings":
+        why = f"the model's {derived:g} positions (max_position_embeddings in config.json)"
     params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
-    if isinstance(params, dict) and params and "gemma3" not in getattr(config, "model_type", ""):
+    if isinstance(params, dict) and params and "gemma3" not in (getattr(text, "model_type", None) or ""):
         kinds = params.values() if all(isinstance(v, dict) for v in params.values()) else [params]
         factor = 1.0
         for kind in kinds:
@@ -214,21 +221,21 @@ def vllm_max_model_len(config, path: Path) -> tuple[float, str]:
                     why = f"YaRN's original_max_position_embeddings {derived}"
         if factor and factor != 1.0:
             derived, why = derived * factor, f"{why} times its RoPE factor {factor:g}"
-    override = getattr(text, "model_max_length", None)
-    if isinstance(override, int) and override > derived:
-        derived, why = override, f"model_max_length {override} in config.json"
+    override = found.get("model_max_length")  # vLLM lets a length up to it through, past the derived one
+    if override and override > derived:
+        derived, why = override, f"model_max_length {override:g} in config.json"
     return derived, why
 
 
 def check_rollout_model(config, path: Path, dtype: torch.dtype, max_seq_length: int) -> None:
     """vLLM's refusals of this model's dtype and context length, made before its engine starts (and, for an original
     checkpoint, before the conversion): float16 for the model types vLLM keeps it from, and a max_seq_length past
-    what vLLM derives from the config and tokenizer (vllm_max_model_len), unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."""
+    what vLLM derives from the config (vllm_max_model_len), unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."""
     model_type = getattr(config, "model_type", "")
     if dtype == torch.float16 and model_type in VLLM_NO_FLOAT16:
         raise Fp8kitError(f"{path}: vLLM does not run {model_type} in float16 (numerical instability); pass "
                           f"dtype=torch.bfloat16, or fast_inference=False")
-    longest, why = vllm_max_model_len(config, path)
+    longest, why = vllm_max_model_len(config)
     allowed = os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")  # as vllm/envs.py
     if max_seq_length > longest and not allowed:
         raise Fp8kitError(f"{path}: max_seq_length={max_seq_length} is past {why}, which vLLM refuses; pass "
