@@ -122,7 +122,7 @@ from fp8kit.rl.vllm_engine import storage_pointers
 arch, work = sys.argv[1], Path(sys.argv[2])
 # llama_odd: an MLP 104 wide, whose down projection vLLM's CUTLASS FP8 kernel pads to 112 inputs (the trainer shares
 # the rest). 104, not 100: vLLM 0.25 fails to load a per-channel layer it pads along its outputs (gate_up, 200 wide),
-# asserting in its own padding code (cutlass.py sets weight_loader on the weight twice)
+# asserting in its own padding code (cutlass.py sets weight_loader on the weight twice: vllm-project/vllm#47005)
 src = build_checkpoint(work / "src", arch.removesuffix("_odd"), torch.bfloat16, seed=0,
                        **({"intermediate_size": 104} if arch.endswith("_odd") else {}))
 add_tokenizer(src, DEFAULT_CALIBRATION.read_text(), 400)
