@@ -63,6 +63,20 @@ def test_moe_experts_per_expert_router_kept(tmp_path):
     assert "model.layers.1.mlp.gate" in config["quantization_config"]["ignore"]
 
 
+def test_per_channel_layers_vllm_cannot_load_are_named_in_a_warning(tmp_path):
+    """vLLM 0.25 pads a layer whose output width (q/k/v and gate/up fused) is not a multiple of 16 and then fails to
+    load it with a per-channel scale (vllm-project/vllm#47005, seen on an H100 with gate/up 2 x 100 wide): the
+    conversion says so. 2 x 104 fuses to 208, which vLLM pads only along the down projection's input, and loads;
+    per-tensor scales pad fine."""
+    src = build_checkpoint(tmp_path / "src100", "llama", torch.bfloat16, seed=0, intermediate_size=100)
+    warned = [w for w in convert(src, tmp_path / "dyn100", scheme="dynamic").warnings if "#47005" in w]
+    assert len(warned) == 1 and warned[0].startswith("2 per-channel layers (as vLLM fuses them) have an output width"), warned
+    assert "gate_proj+up_proj of model.layers.0.mlp (200)" in warned[0] and "--scheme tensor" in warned[0]
+    assert not [w for w in convert(src, tmp_path / "t100", scheme="tensor").warnings if "#47005" in w]
+    src = build_checkpoint(tmp_path / "src104", "llama", torch.bfloat16, seed=0, intermediate_size=104)
+    assert not [w for w in convert(src, tmp_path / "dyn104", scheme="dynamic").warnings if "#47005" in w]
+
+
 def test_block_leaves_non_multiple_of_128_layers(odd_llama_dir, tmp_path):
     report = convert(odd_llama_dir, tmp_path / "out", scheme="block")
     names = tensors(tmp_path / "out")

@@ -127,6 +127,27 @@ def _share_status(wanted: dict[str, bool], reason: dict[str, str], group_of, why
                     wanted[m], reason[m] = False, why
 
 
+def _vllm_padding_warning(quantized: list[str], tensors: dict[str, TensorInfo]) -> list[str]:
+    """vLLM 0.25's CUTLASS FP8 kernel pads a layer whose output width (q/k/v and gate/up fused, as vLLM loads them) is
+    not a multiple of 16, and with a per-channel scale its padding code then fails the load with an AssertionError
+    ("Overwriting existing tensor attribute: weight_loader", vllm-project/vllm#47005; per-tensor scales pad fine)."""
+    widths: dict[object, tuple[int, list[str]]] = {}
+    for module in quantized:
+        if expert_layer(module) is not None or module == "lm_head":  # MoE experts and lm_head load another way
+            continue
+        key = _sibling_group(module) or module
+        width, members = widths.get(key, (0, []))
+        widths[key] = (width + tensors[f"{module}.weight"].shape[0], members + [module])
+    odd = [(members, width) for width, members in widths.values() if width % 16]
+    if not odd:
+        return []
+    named = ", ".join(f"{'+'.join(m.rpartition('.')[2] for m in members)} of {members[0].rpartition('.')[0]} ({width})"
+                      for members, width in odd[:3])
+    return [f"{len(odd)} per-channel layers (as vLLM fuses them) have an output width that vLLM 0.25 pads to a "
+            f"multiple of 16 and then fails to load (vllm-project/vllm#47005): {named}{' ...' if len(odd) > 3 else ''}; "
+            f"to serve with vLLM 0.25 convert with --scheme tensor, or keep them with --ignore"]
+
+
 def _check_source_dtype(info: TensorInfo) -> None:
     if info.dtype not in SOURCE_DTYPES:
         raise Fp8kitError(f"{info.path}: tensor {info.name!r} has dtype {info.dtype}; fp8-convert reads F32, F16 "
@@ -214,6 +235,8 @@ def select(tensors: dict[str, TensorInfo], scheme: Scheme, ignore: list[str], lm
             f"{len(by_experts)} expert weights kept in source precision with the other experts of their MoE layer "
             f"(engines load a layer's experts with one quantization): {', '.join(layers[:4])}"
             f"{' ...' if len(layers) > 4 else ''}")
+    if scheme.weight_strategy == "channel":
+        sel.warnings += _vllm_padding_warning([m for m, q in wanted.items() if q], tensors)
     modules = {*map(_module, tensors), "lm_head"}  # lm_head: always kept
     unmatched = sel.unmatched_ignore = [p.pattern for p in patterns if not any(p.search(name) for name in modules)]
     if unmatched:
