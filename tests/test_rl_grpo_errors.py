@@ -573,5 +573,13 @@ def test_the_longest_max_seq_length_is_vllms_own(tmp_path, monkeypatch):
     check_rollout_model(config(), tmp_path, torch.bfloat16, 256)
     with pytest.raises(Fp8kitError, match="max_seq_length=257 is past the model's 256 positions"):
         check_rollout_model(config(), tmp_path, torch.bfloat16, 257)
+    # a config vLLM is given instead (Qwen3's card extends its length with a YaRN factor in hf_overrides): vLLM's check
+    check_rollout_model(config(), tmp_path, torch.bfloat16, 1024,
+                        {"hf_overrides": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}})
+    windowed = config()
+    windowed.sliding_window = 64  # vLLM caps the length at the window when asked to disable it
+    check_rollout_model(windowed, tmp_path, torch.bfloat16, 256)
+    with pytest.raises(Fp8kitError, match=r"max_seq_length=65 is past the sliding window 64 \(disable_sliding_window\)"):
+        check_rollout_model(windowed, tmp_path, torch.bfloat16, 65, {"disable_sliding_window": True})
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own override, taken as vLLM takes it
     check_rollout_model(config(), tmp_path, torch.bfloat16, 4096)

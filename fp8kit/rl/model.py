@@ -85,11 +85,11 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
     if local.is_dir() and source_scheme is None:  # an original to convert: its tokenizer before minutes of work
         _check_tokenizer_files(local)
         if with_vllm:
-            _check_vllm_model(source_config, local, dtype, max_seq_length)
+            _check_vllm_model(source_config, local, dtype, max_seq_length, vllm_kwargs)
     path = _checkpoint(str(name), load_in_fp8)
     config, scheme = read_config(path)
     if with_vllm:
-        _check_vllm_model(config, path, dtype, max_seq_length)
+        _check_vllm_model(config, path, dtype, max_seq_length, vllm_kwargs)
     if with_vllm and static_activation_scales(path):
         raise Fp8kitError(f"{path}: static activation scales (tensor-static): vLLM's rollouts would quantize with "
                           f"them while the trainer quantizes per token, so their log-probabilities would disagree; "
@@ -116,7 +116,7 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
     return model, tokenizer
 
 
-def _check_vllm_model(config, path: Path, dtype: torch.dtype, max_seq_length: int) -> None:
+def _check_vllm_model(config, path: Path, dtype: torch.dtype, max_seq_length: int, vllm_kwargs: dict | None) -> None:
     """What the shared-weight vLLM rollouts cannot take of this model, refused before its conversion (an original)
     and before the engine starts: a tower other than Gemma 3's, and what vLLM itself refuses (check_rollout_model)."""
     architecture = (getattr(config, "architectures", None) or [config.model_type])[0]
@@ -124,7 +124,7 @@ def _check_vllm_model(config, path: Path, dtype: torch.dtype, max_seq_length: in
         raise Fp8kitError(f"{path}: {architecture} has a vision or audio tower; vLLM rollouts sharing the trainer's "
                           f"weights take text models and {', '.join(VLLM_MULTIMODAL)} so far: pass "
                           f"fast_inference=False (rollouts with transformers' generate on the same model)")
-    check_rollout_model(config, path, dtype, max_seq_length)
+    check_rollout_model(config, path, dtype, max_seq_length, vllm_kwargs)
 
 
 def _check_tokenizer_files(path: Path) -> None:

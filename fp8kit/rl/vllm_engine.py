@@ -190,12 +190,13 @@ LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_len
                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
 
 
-def vllm_max_model_len(config) -> tuple[float, str]:
+def vllm_max_model_len(config, disable_sliding_window: bool = False) -> tuple[float, str]:
     """The longest max_model_len vLLM 0.25 takes for this generative model, and why (vllm/config/model.py
     _get_and_verify_max_len): the smallest of config.json's length keys, or its model_max_length where it sets one
     (Command-R's), times the RoPE factor, except for Llama 3's, LongRoPE's and "su" RoPE (vLLM does not extend those)
     and for Gemma 3 (its positions already include the scaling); YaRN starts from original_max_position_embeddings.
-    vLLM reads the tokenizer's model_max_length for pooling models only (ModelConfig.get_and_verify_max_len)."""
+    vLLM reads the tokenizer's model_max_length for pooling models only (ModelConfig.get_and_verify_max_len). With
+    disable_sliding_window a shorter sliding window is the base."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     found = {k: v for k in LENGTH_KEYS if isinstance(v := getattr(text, k, None), (int, float))
              and not isinstance(v, bool)}
@@ -208,6 +209,9 @@ def vllm_max_model_len(config) -> tuple[float, str]:
     why = f"{key} {derived:g} in config.json"
     if key == "max_position_embeddings":
         why = f"the model's {derived:g} positions (max_position_embeddings in config.json)"
+    window = getattr(text, "sliding_window", None)
+    if disable_sliding_window and isinstance(window, int) and window < derived:
+        derived, why = window, f"the sliding window {window} (disable_sliding_window)"
     params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
     if isinstance(params, dict) and params and "gemma3" not in (getattr(text, "model_type", None) or ""):
         kinds = params.values() if all(isinstance(v, dict) for v in params.values()) else [params]
@@ -227,15 +231,21 @@ def vllm_max_model_len(config) -> tuple[float, str]:
     return derived, why
 
 
-def check_rollout_model(config, path: Path, dtype: torch.dtype, max_seq_length: int) -> None:
+def check_rollout_model(config, path: Path, dtype: torch.dtype, max_seq_length: int,
+                        engine_kwargs: dict | None = None) -> None:
     """vLLM's refusals of this model's dtype and context length, made before its engine starts (and, for an original
     checkpoint, before the conversion): float16 for the model types vLLM keeps it from, and a max_seq_length past
-    what vLLM derives from the config (vllm_max_model_len), unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."""
+    what vLLM derives from the config (vllm_max_model_len), unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. With
+    hf_overrides or hf_config_path in the engine's arguments vLLM derives the length from another config (a YaRN
+    factor given there, as Qwen3's card does), and checks it itself."""
+    engine_kwargs = engine_kwargs or {}
     model_type = getattr(config, "model_type", "")
     if dtype == torch.float16 and model_type in VLLM_NO_FLOAT16:
         raise Fp8kitError(f"{path}: vLLM does not run {model_type} in float16 (numerical instability); pass "
                           f"dtype=torch.bfloat16, or fast_inference=False")
-    longest, why = vllm_max_model_len(config)
+    if engine_kwargs.get("hf_overrides") or engine_kwargs.get("hf_config_path"):
+        return
+    longest, why = vllm_max_model_len(config, bool(engine_kwargs.get("disable_sliding_window")))
     allowed = os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")  # as vllm/envs.py
     if max_seq_length > longest and not allowed:
         raise Fp8kitError(f"{path}: max_seq_length={max_seq_length} is past {why}, which vLLM refuses; pass "
