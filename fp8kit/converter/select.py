@@ -133,7 +133,7 @@ def _vllm_padding_warning(quantized: list[str], tensors: dict[str, TensorInfo]) 
     ("Overwriting existing tensor attribute: weight_loader", vllm-project/vllm#47005; per-tensor scales pad fine)."""
     widths: dict[object, tuple[int, list[str]]] = {}
     for module in quantized:
-        if expert_layer(module) is not None or module == "lm_head":  # MoE experts and lm_head load another way
+        if expert_layer(module) is not None:  # MoE experts load into vLLM's fused-expert layers
             continue
         key = _sibling_group(module) or module
         width, members = widths.get(key, (0, []))

@@ -101,11 +101,9 @@ def shared_tensors(vllm_model: nn.Module, config, scheme: str | None) -> dict:
             out[name] = (lambda t=tensor: t[:vocab])
             continue
         parent, _, short = module.rpartition(".")
-        if short in FUSED:
+        if fused:
             sizes = split_sizes(config, short)
-            if leaf == "weight":
-                parts = torch.split(tensor, sizes, dim=0)
-            elif leaf == "bias":
+            if leaf in ("weight", "bias"):
                 parts = torch.split(tensor, sizes, dim=0)
             elif tensor.numel() == 1:  # per-tensor: one scale shared by the fused shards after re-quantization
                 parts = [tensor] * len(sizes)
@@ -117,8 +115,6 @@ def shared_tensors(vllm_model: nn.Module, config, scheme: str | None) -> dict:
                 parts = torch.split(tensor, sizes, dim=0)
             for sub, part in zip(FUSED[short], parts):
                 out[f"{parent}.{sub}.{leaf}"] = (lambda t=part: t)
-        elif leaf == "weight" and tensor.ndim == 2 and tensor.dtype == torch.float8_e4m3fn:
-            out[name] = (lambda t=tensor: t)
         elif leaf in ("weight", "bias", "weight_scale"):
             out[f"{module}.{leaf}"] = (lambda t=tensor: t)
     return out
