@@ -5,12 +5,15 @@ LoRA rank 32 on every projection; forward + backward of a batch, tokens/s and pe
 LoRA layer and PEFT's forward) and for FP8 with each backend and scheme, eager and under torch.compile, with the
 exact or the FP8 input gradient (fp8bwd), with the layer's default fast accumulation or float32 promotion
 (f32acc), for blocks on the Triton GEMM that GPUs without cuBLAS block scaling run (tritongemm), and with
-transformers' MLP instead of the fused SiLU-multiply-quantize kernel load_fp8_model gives it (unfused). Each FP8
+transformers' MLP instead of the fused SiLU-multiply-quantize kernel load_fp8_model gives it (unfused), and with
+the exact input gradient's weight dequantized by torch's ops instead of the one-pass Triton kernel (torchdequant);
+--gradient-checkpointing recomputes each decoder layer in backward, as the GRPO trainer does. Each FP8
 row is compared with the faster BF16 row of its own mode. Backends this machine cannot run (fbgemm-gpu-genai or
 torchao missing, a scheme the library or GPU lacks) get a row with the reason instead of numbers. Writes
 evals/results/fp8_lora.json, rewritten after every variant so that a run cut short keeps what it measured.
 
     python evals/bench_fp8_lora.py [--layers 4] [--batch 4] [--seq 2048] [--budget-s 300] [--profile]
+                                   [--gradient-checkpointing]
                                    [--variants bf16,dynamic/triton/fp8bwd+compile,...]
                                    [--out evals/results/fp8_lora.json]
 """
@@ -56,7 +59,7 @@ class PeftStyleLoRALinear(nn.Module):
         return nn.functional.linear(x, self.weight) + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
 
 
-def build(layers: int, variant: str, rank: int):
+def build(layers: int, variant: str, rank: int, checkpointing: bool = False):
     from transformers import Qwen3Config, Qwen3Model
 
     from fp8kit.converter.schemes import SCHEMES, quantize_weight
@@ -89,6 +92,9 @@ def build(layers: int, variant: str, rank: int):
         fuse_gated_mlps(model)  # as load_fp8_model and load_model build FP8 models
     for n, p in model.named_parameters():
         p.requires_grad_("lora_" in n)
+    if checkpointing:  # as fp8kit.rl.grpo trains (GRPOConfig.gradient_checkpointing, transformers' own)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     if compile:  # regional compilation: each decoder layer, the same for every variant
         torch._dynamo.reset()  # no variant reuses (or counts against the recompile limit of) another's graphs
         torch._dynamo.config.recompile_limit = 64  # at most one graph per layer
@@ -109,17 +115,21 @@ def weight_bytes(model) -> int:
 def measure(variant: str, args) -> dict:
     from fp8kit.rl import fp8_linear
 
-    cublas_block_scaling = fp8_linear.cublas_block_scaling
-    if not variant.startswith("bf16") and "tritongemm" in fp8_variant(variant)[2]:
+    cublas_block_scaling, dequantized = fp8_linear.cublas_block_scaling, fp8_linear._dequantized
+    options = set() if variant.startswith("bf16") else fp8_variant(variant)[2]
+    if "tritongemm" in options:
         fp8_linear.cublas_block_scaling = lambda device: False
+    if "torchdequant" in options:
+        fp8_linear._dequantized = lambda weight, scale, scheme, dtype, backend: fp8_linear.dequantize_weight(
+            weight, scale, scheme, dtype)
     try:
         return _measure(variant, args)
     finally:
-        fp8_linear.cublas_block_scaling = cublas_block_scaling
+        fp8_linear.cublas_block_scaling, fp8_linear._dequantized = cublas_block_scaling, dequantized
 
 
 def _measure(variant: str, args) -> dict:
-    model = build(args.layers, variant, args.rank)
+    model = build(args.layers, variant, args.rank, args.gradient_checkpointing)
     weights = weight_bytes(model)
     x = torch.randn(args.batch, args.seq, QWEN3_8B["hidden_size"], device="cuda", dtype=torch.bfloat16)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -182,8 +192,9 @@ DEFAULT_VARIANTS = ("bf16,bf16-peft,dynamic/torch,dynamic/triton,dynamic/triton/
 
 # fp8bwd: the input gradient in FP8 too; f32acc: no fast accumulation; tritongemm: block GEMMs on fp8kit's Triton
 # kernel, as on GPUs where cuBLAS cannot scale blocks (L4, RTX 40/50, Blackwell), instead of cuBLAS; unfused:
-# transformers' MLP forward instead of the fused SiLU-multiply-quantize kernel that load_fp8_model gives the MLPs
-OPTIONS = ("fp8bwd", "f32acc", "tritongemm", "unfused")
+# transformers' MLP forward instead of the fused SiLU-multiply-quantize kernel that load_fp8_model gives the MLPs;
+# torchdequant: the exact input gradient's weight dequantized by torch's three ops, not the one-pass Triton kernel
+OPTIONS = ("fp8bwd", "f32acc", "tritongemm", "unfused", "torchdequant")
 
 
 def fp8_variant(variant: str) -> tuple[str, str, set[str]]:
@@ -240,11 +251,16 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS,
-                    help="comma-separated: bf16, bf16-peft and scheme/backend[/fp8bwd][/f32acc][/tritongemm][/unfused], "
+                    help="comma-separated: bf16, bf16-peft and scheme/backend[/fp8bwd][/f32acc][/tritongemm][/unfused]"
+                         "[/torchdequant], "
                          "each optionally +compile (fp8bwd: the input-gradient GEMM in FP8 too; f32acc: FP8 GEMMs "
                          "without fast accumulation; tritongemm: block GEMMs on fp8kit's Triton kernel, as off SM90; "
                          "unfused: transformers' MLP forward, not the fused SiLU-multiply-quantize kernel; "
+                         "torchdequant: the exact input gradient's weight dequantized by torch's ops (as "
+                         "compiled layers always do); "
                          "+compile: torch.compile each decoder layer)")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="recompute each decoder layer in backward, as the GRPO trainer does")
     ap.add_argument("--profile", action="store_true", help="add each variant's GPU time per kernel for one step")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new variant after this many seconds (those left get a 'skipped' row)")
@@ -271,7 +287,8 @@ def main():
         # settings that change what is measured (the compiler's, the FP8 layer's) travel with the numbers
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("TORCHINDUCTOR_", "FP8KIT_"))},
         "config": {**QWEN3_8B, "layers": args.layers, "batch": args.batch, "seq": args.seq, "lora_rank": args.rank,
-                   "lora_targets": list(PROJECTIONS), "optimizer": "AdamW on LoRA", "steps": args.steps},
+                   "lora_targets": list(PROJECTIONS), "optimizer": "AdamW on LoRA", "steps": args.steps,
+                   "gradient_checkpointing": args.gradient_checkpointing},
         "best_backend": None, "speedup_vs_bf16": None, "weight_memory_ratio": None, "peak_memory_ratio_vs_bf16": None,
         "default_backend": pick_backend(torch.device("cuda")),
         "default_fast_accum": flag_from_env("FP8KIT_FAST_ACCUM", True, "on", "off"),

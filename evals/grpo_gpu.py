@@ -15,11 +15,12 @@ settings, which drop the BF16 rounding before FP8 activation quantization that t
 engine_kwargs), fp8-f32acc (the trainer's FP8 GEMMs promote to float32, FP8KIT_FAST_ACCUM=0, where vLLM's do not),
 fp8-fp8bwd (the trainer's input gradients are FP8 GEMMs too, FP8KIT_FP8_BACKWARD=1); each takes `+mbtN` for N
 tokens per vLLM forward pass, `+gpuN` for a budget of N GiB in which vLLM sizes the KV cache (every run records the
-KV-cache tokens) and `+fp16` for float16 in the trainer and vLLM (split_variant). --trace-step N reports what held the memory at the peaks of step N's generation and training
+KV-cache tokens), `+fp16` for float16 in the trainer and vLLM and `+compile` for the trainer's decoder layers
+compiled (split_variant). --trace-step N reports what held the memory at the peaks of step N's generation and training
 (evals/memory_trace.py). One run's rollout ratio is one draw of a host whose CPU speed drifts: evals/rollout_rounds.py pools several runs (--standalone-settings runtime adds a standalone
 engine with the runtime's own vLLM arguments).
 
-    python evals/grpo_gpu.py --variants fp8,bf16 --steps 8 --out evals/results/grpo_gpu.json
+    python evals/grpo_gpu.py --variants fp8,bf16 --steps 8 --out evals/results/grpo_gpu_run.json
     python evals/grpo_gpu.py --shape llama-8b --variants fp8,bf16 --steps 2 --skip-standalone
     python evals/grpo_gpu.py --shape llama-8b --variants bf16+gpu20,fp8+gpu20 --steps 2 --skip-standalone
 """
@@ -290,7 +291,7 @@ class TokenPrompts:
 
 
 VARIANT_OPTIONS = ("+mbtN (tokens per vLLM forward pass, e.g. +mbt2048), +gpuN (a budget of N GiB, e.g. +gpu20), "
-                   "+fp16 (trainer and vLLM in float16)")
+                   "+fp16 (trainer and vLLM in float16), +compile (the trainer's decoder layers compiled)")
 
 
 def split_variant(variant: str) -> tuple[str, dict]:
@@ -300,7 +301,8 @@ def split_variant(variant: str) -> tuple[str, dict]:
     its LLM class on an 80 GB GPU 16384 (`+mbt16384`). `+gpuN` gives vLLM N GiB (gpu_memory_utilization) and lets
     it size the KV cache from what its profiling run leaves, instead of the fixed KV_CACHE_BYTES: the KV tokens
     that fit in the same budget are the context an FP8 model gains over BF16. `+fp16` runs the trainer and vLLM in
-    float16 (the bfloat16 checkpoint is cast on load), which narrows the rollout/trainer mismatch."""
+    float16 (the bfloat16 checkpoint is cast on load), which narrows the rollout/trainer mismatch. `+compile` compiles
+    the trainer's decoder layers (GRPOConfig.torch_compile; the first step includes compiling)."""
     base, *extras = variant.split("+")
     if base not in BASE_VARIANTS:
         raise SystemExit(f"variant {variant!r}: unknown; known: {', '.join(BASE_VARIANTS)}, each with options "
@@ -313,6 +315,8 @@ def split_variant(variant: str) -> tuple[str, dict]:
             settings["budget_gib"] = int(extra[3:])
         elif extra == "fp16":
             settings["dtype"] = "float16"
+        elif extra == "compile":
+            settings["torch_compile"] = True
         else:
             raise SystemExit(f"variant {variant!r}: unknown option {extra!r} (known: {VARIANT_OPTIONS})")
     return base, settings
@@ -329,6 +333,7 @@ def engine_kwargs(variant: str) -> dict:
     base, settings = split_variant(variant)
     budgeted = settings.pop("budget_gib", None) is not None
     settings.pop("dtype", None)  # the model's dtype, passed to LLM by the caller (variant_dtype)
+    settings.pop("torch_compile", None)  # the trainer's (GRPOConfig.torch_compile)
     kv_bytes = {} if budgeted else {
         "kv_cache_memory_bytes": KV_CACHE_BYTES // 2 if base == "fp8-kv8" else KV_CACHE_BYTES}
     if base == "fp8-kv8":
@@ -413,7 +418,8 @@ def run_variant(args) -> dict:
     config = GRPOConfig(steps=args.steps, prompts_per_step=WORKLOAD["prompts_per_step"],
                         num_generations=WORKLOAD["num_generations"],
                         max_completion_length=WORKLOAD["max_completion_length"], learning_rate=1e-3,
-                        gradient_accumulation_steps=16, seed=0)
+                        gradient_accumulation_steps=16, seed=0,
+                        torch_compile=split_variant(args.variant)[1].get("torch_compile", False))
     history = []
     with PeakMemory() as peak, GCPauses() as pauses:
         phased = PhaseRollout(engine, peak, pauses, args.trace_step)
@@ -545,13 +551,27 @@ def summarize(runs: dict, shape: str) -> dict:
     return summary
 
 
+def refuse_pooled_headline(out: Path) -> None:
+    """A run's summary replaces the top-level ratios of a ~1B results file: written into a headline whose rollout
+    ratio rollout_rounds.py pooled over rounds (evals/results/grpo_gpu.json), one round's ratio would stand under the
+    pooled one's description."""
+    try:
+        pooled = "rollout_vs_standalone_vllm_from" in json.loads(out.read_text())
+    except (OSError, ValueError):
+        return
+    if pooled:
+        raise SystemExit(f"{out}: a headline pooled by evals/rollout_rounds.py (rollout_vs_standalone_vllm_from); "
+                         f"write this run to another --out and pool it with rollout_rounds.py --headline {out}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="fp8,fp8-kv8,bf16")
     ap.add_argument("--shape", default="tinyllama-1.1b", choices=list(SHAPES))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--workdir", default="/tmp/grpo-gpu")
-    ap.add_argument("--out", default=str(ROOT / "evals/results/grpo_gpu.json"))
+    ap.add_argument("--out", default=str(ROOT / "evals/results/grpo_gpu_run.json"),
+                    help="results file (runs already in it are kept); not a headline pooled by rollout_rounds.py")
     ap.add_argument("--skip-standalone", action="store_true")
     ap.add_argument("--child-timeout", type=float, default=560, help="seconds for each child process")
     ap.add_argument("--trace-step", type=int, help="record torch's allocation trace in this step's generation and "
@@ -579,6 +599,7 @@ def main():
     # CUDA context of ours, so building and converting run in a child too
     for variant in args.variants.split(","):
         split_variant(variant)  # an unknown name stops the run before anything is built
+    refuse_pooled_headline(Path(args.out))
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}

@@ -108,6 +108,7 @@ def main():
     ap.add_argument("--workdir", default=None, help="where the toy model is built (default: a temp folder)")
     ap.add_argument("--output-dir", help="write checkpoints here every --save-steps")
     ap.add_argument("--save-steps", type=int, default=0)
+    ap.add_argument("--compile", action="store_true", help="the trainer's decoder layers compiled (torch_compile)")
     ap.add_argument("--resume", help="a checkpoint folder to resume from")
     args = ap.parse_args()
 
@@ -135,7 +136,7 @@ def run(args):
     # checked before the toy model is pre-trained and converted
     config = GRPOConfig(steps=args.steps, prompts_per_step=8, num_generations=8, max_completion_length=ANSWER + 2,
                         learning_rate=5e-3, loss_type=args.loss_type, seed=args.seed, output_dir=args.output_dir,
-                        save_steps=args.save_steps)
+                        save_steps=args.save_steps, torch_compile=args.compile)
     check_device(args.device)
     resume = resume_checkpoint(args.resume) if args.resume else None
     if args.vllm:  # asked for by name: never the silent fallback to transformers' generate that load_model makes

@@ -129,8 +129,8 @@ def test_triton_grad_quantizer_and_transpose_write_torch_bytes(scheme):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_triton_dequantized_weight_is_torch_s_to_the_bit(scheme, dtype):
     """The exact input gradient's dequantized weight, one Triton pass against fp8_linear.dequantize_weight's torch ops:
-    the same bytes, for sizes that are not tile (or block) multiples, a strided weight (vLLM's padded storage) and
-    the fused layer's weight, whose backward uses it."""
+    the same bytes, for sizes that are not tile (or block) multiples, a strided weight (vLLM's padded storage), a
+    1-D per-channel scale and a one-row layer."""
     from fp8kit.rl.fp8_linear import dequantize_weight
     from fp8kit.rl.triton_quant import dequantize_weight_triton
 
@@ -142,9 +142,12 @@ def test_triton_dequantized_weight_is_torch_s_to_the_bit(scheme, dtype):
     w_q, w_s = w_q.cuda(), (w_s * 3.7).cuda()  # scales that are not exact in bf16/fp16
     padded = torch.zeros(w_q.shape[0] + 16, w_q.shape[1] + 8, dtype=w_q.dtype, device="cuda")
     padded[: w_q.shape[0], : w_q.shape[1]] = w_q
-    for weight in (w_q, padded[: w_q.shape[0], : w_q.shape[1]]):
-        want = dequantize_weight(weight, w_s, scheme, dtype)
-        got = dequantize_weight_triton(weight, w_s, scheme, dtype)
+    cases = [(w_q, w_s), (padded[: w_q.shape[0], : w_q.shape[1]], w_s)]
+    if scheme == "dynamic":  # a 1-D scale (as some checkpoints store it) and a one-row layer (one scale)
+        cases += [(w_q, w_s.reshape(-1)), (w_q[:1], w_s[:1])]
+    for weight, scale in cases:
+        want = dequantize_weight(weight, scale, scheme, dtype)
+        got = dequantize_weight_triton(weight, scale, scheme, dtype)
         assert got.dtype == dtype and torch.equal(got, want), (got - want).abs().max()
 
 

@@ -1069,3 +1069,108 @@ def test_checkpoint_files_reach_the_disk_before_the_rename(tiny_fp8, tmp_path, m
     train(model, tokenizer, ["a b"], [lambda prompts, completions, **kw: [0.0] * len(completions)], config)
     assert {"optimizer.safetensors", "trainer_state.json"} <= set(synced)
     assert (tmp_path / "run" / "checkpoint-1" / "trainer_state.json").is_file()
+
+
+def test_compiled_decoder_layers_train_the_step_eager_layers_train(tiny_fp8):
+    """GRPOConfig.torch_compile: the decoder layers run compiled in the trainer's passes only (the rollout sees them
+    eager, and after the run they are as before), and the step (uneven micro-batches: two shapes; beta's
+    adapters-off reference pass) computes what the eager step does, to float32 accumulation order."""
+    from torch._dynamo.utils import counters
+
+    from fp8kit.rl.regional_compile import decoder_layers
+
+    torch._dynamo.reset()  # graphs an earlier test compiled for these layers would be reused, not counted
+    seen = []
+    logged = []
+    for compiled in (False, True):
+        model, tok = _seeded_lora_model(tiny_fp8, torch.float32)
+        layers = decoder_layers(model)
+        Fixed = _fixed_rollout([6, 1, 4, 3, 3, 6, 2, 5])
+
+        class Watched(Fixed):
+            def generate(self, *args, **kwargs):
+                seen.append([m._compiled_call_impl for m in layers])
+                return super().generate(*args, **kwargs)
+
+        config = GRPOConfig(steps=1, prompts_per_step=2, num_generations=4, max_completion_length=6, seed=5,
+                            gradient_accumulation_steps=3, beta=0.04, torch_compile=compiled)
+        graphs = counters["stats"]["unique_graphs"]
+        logged.append(train(model, tok, ["the quick", "lazy dog"], [_sum_reward], config,
+                            rollout=Watched(model, tok))[0])
+        assert (counters["stats"]["unique_graphs"] > graphs) is compiled
+        assert layers and all(m._compiled_call_impl is None for m in layers)
+    assert seen == [[None] * len(layers)] * 2
+    eager, comp = logged
+    assert eager["grad_norm"] > 0 and eager["kl"] > 0
+    for key in ("loss", "grad_norm", "kl", "mismatch_kl", "is_weight_mean"):
+        assert comp[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-7), key
+
+
+def test_compiled_decoder_layers_restore_what_the_layers_had(tiny_fp8):
+    """A layer the caller compiled (nn.Module.compile) gets its own compiled call back, an eager one stays eager, and
+    the context is a no-op when off or for a model without decoder layers."""
+    from fp8kit.rl.regional_compile import compiled_decoder_layers, decoder_layers
+
+    model, _ = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    layers = decoder_layers(model)
+    assert len(layers) == model.config.num_hidden_layers
+    layers[0].compile()
+    own = layers[0]._compiled_call_impl
+    with compiled_decoder_layers(model, enabled=False):
+        assert layers[0]._compiled_call_impl is own and layers[1]._compiled_call_impl is None
+    with compiled_decoder_layers(model):
+        assert all(m._compiled_call_impl not in (None, own) for m in layers)
+    assert layers[0]._compiled_call_impl is own and all(m._compiled_call_impl is None for m in layers[1:])
+    with compiled_decoder_layers(torch.nn.Linear(2, 2)):
+        pass
+
+
+def test_compiled_layers_share_one_graph_whatever_the_depth(tmp_path, monkeypatch):
+    """FP8 layers (their MLPs fused) compile the same graphs whatever their number: two, for the first layer, whose
+    input needs no gradient, and for the others; dynamo guarded on each fused MLP forward's identity, one graph a
+    layer. Counted with the aot_eager backend (no code generation), without a KV cache as the trainer runs."""
+    from torch._dynamo.utils import counters
+
+    from fp8kit import convert
+    from fp8kit.rl import load_fp8_model, regional_compile
+    from fp8kit.rl.fp8_mlp import _FusedForward
+
+    monkeypatch.setattr(regional_compile, "_compiled_call",
+                        lambda: torch.compile(regional_compile._call_layer, backend="aot_eager"))
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=3, num_hidden_layers=4)
+    model = load_fp8_model(convert(src, tmp_path / "fp8", scheme="dynamic").out, dtype=torch.float32, lora_rank=4)
+    mlps = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), _FusedForward)]
+    assert len(mlps) == 4
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    counters.clear()
+    want = model(input_ids=ids, use_cache=False).logits
+    with regional_compile.compiled_decoder_layers(model):
+        got = model(input_ids=ids, use_cache=False).logits
+        assert not any("forward" in m.__dict__ for m in mlps)  # set aside while compiled
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert all(isinstance(m.__dict__.get("forward"), _FusedForward) for m in mlps)  # and back
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_compile_needs_decoder_layers_and_a_recent_torch(tiny_fp8, monkeypatch):
+    """Refused before the first rollout, one line each."""
+    from fp8kit.rl import regional_compile
+
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    config = GRPOConfig(steps=1, prompts_per_step=1, num_generations=2, max_completion_length=2, torch_compile=True)
+
+    class NoLayers(torch.nn.Module):
+        pass
+
+    with pytest.raises(Fp8kitError, match="NoLayers has no transformers decoder layers"):
+        regional_compile.check_torch_compile(NoLayers())
+    monkeypatch.delattr(torch._dynamo.config, "recompile_limit", raising=False)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("generated before the refusal")
+
+    with pytest.raises(Fp8kitError, match=r"torch_compile=True needs torch 2\.7 or later") as e:
+        train(model, tok, ["the quick"], [_sum_reward], config, rollout=type("R", (), {
+            "generate": fail, "sleep": fail, "wake": fail, "sync_lora": fail})())
+    assert "\n" not in str(e.value)

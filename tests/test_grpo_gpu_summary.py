@@ -82,6 +82,8 @@ def test_variant_names_and_options():
     assert split_variant("fp8+fp16") == ("fp8", {"dtype": "float16"})
     assert "dtype" not in engine_kwargs("fp8+fp16") and engine_kwargs("fp8+fp16") == engine_kwargs("fp8")
     assert str(variant_dtype("fp8+fp16")) == "torch.float16" and str(variant_dtype("bf16")) == "torch.bfloat16"
+    assert split_variant("bf16+compile+mbt4096") == ("bf16", {"torch_compile": True, "max_num_batched_tokens": 4096})
+    assert engine_kwargs("fp8+compile") == engine_kwargs("fp8")  # the trainer's setting, not vLLM's
     with pytest.raises(SystemExit, match="budget of 96 GiB is not below this GPU's 80.0 GiB"):
         memory_utilization("fp8+gpu96", 80 << 30)
     for bad in ("fp8+mbt", "fp8+fast", "fp9", "fp8+gpu0", "fp8+gpu1.5", "fp8+fp32"):
@@ -105,6 +107,31 @@ def test_unknown_variant_stops_the_run_before_anything_is_built(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == ("variant 'fp8+mbtx': unknown option 'mbtx' (known: "
                                                    f"{grpo_gpu.VARIANT_OPTIONS})")
     assert not work.exists() and not out.exists()
+
+
+def test_a_run_is_not_written_into_a_pooled_headline(tmp_path):
+    """evals/results/grpo_gpu.json's rollout ratio is pooled by rollout_rounds.py: a run aimed at such a file stops
+    before anything is built, with one line, and leaves the file as it was; a file of runs is written into."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out, work = tmp_path / "grpo_gpu.json", tmp_path / "work"
+    text = json.dumps({"rollout_vs_standalone_vllm": 1.016, "rollout_vs_standalone_vllm_from": {"rounds": 5}})
+    out.write_text(text)
+    proc = subprocess.run([sys.executable, str(root / "evals/grpo_gpu.py"), "--shape", "tiny", "--variants", "bf16",
+                           "--workdir", str(work), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 1
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"{out}: a headline pooled by evals/rollout_rounds.py") and "--headline" in line
+    assert not work.exists() and out.read_text() == text
+    out.write_text(json.dumps({"runs": {}}))
+    grpo_gpu.refuse_pooled_headline(out)  # a file of runs: no refusal
+    grpo_gpu.refuse_pooled_headline(tmp_path / "absent.json")
 
 
 def test_peak_memory_keeps_each_phases_peak_and_reads_reserved_every_nth_sample(monkeypatch):

@@ -445,6 +445,53 @@ def test_block_layer_with_a_partial_row_block_takes_the_exact_gradient_under_fp8
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
+@pytest.mark.parametrize("fp8_backward", [False, True])
+def test_widths_not_multiples_of_16_compute_from_dequantized_operands(monkeypatch, scheme, fp8_backward):
+    """cuBLASLt refuses FP8 operands with a dimension not a multiple of 16: such a layer (100 out, or 200 in) never
+    reaches the GEMM kernels (here stand-ins that record their calls, on the CPU) and computes the reference
+    backend's function, forward and input gradient; a 128 x 256 layer does reach them."""
+    from fp8kit.converter.schemes import SCHEMES, quantize_weight
+    from fp8kit.rl import fp8_linear
+
+    calls = []
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
+        calls.append("scaled_mm")
+        return ((a.double() * scale_a.double()) @ (b.double() * scale_b.double())).to(out_dtype)
+
+    def block_stand_in(xq, weight, xs, ws, out_dtype):
+        calls.append("block")
+        return _block_product_f64(xq, xs, weight, ws).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    monkeypatch.setattr(fp8_linear, "block_scaled_mm", block_stand_in)
+    g = torch.Generator().manual_seed(5)
+    for n, k, reaches in [(100, 256, False), (128, 200, False), (128, 256, True)]:
+        if scheme == "block" and k % 128:
+            continue  # a partial column block is refused at load
+        w_q, w_s = quantize_weight(torch.randn(-(-n // 128) * 128, k, generator=g) * 0.05, SCHEMES[scheme],
+                                   torch.float32)
+        w_q = w_q[:n].contiguous()
+        if scheme == "dynamic":
+            w_s = w_s[:n]
+        x = torch.randn(6, k, generator=g)
+        up = torch.randn(6, n, generator=g)
+        out = {}
+        calls.clear()
+        for backend in ("reference", "torch"):
+            layer = FP8LoRALinear(w_q, w_s, scheme, rank=0, dtype=torch.float32, backend=backend,
+                                  fp8_backward=fp8_backward)
+            xx = x.clone().requires_grad_()
+            y = layer(xx)
+            (y * up).sum().backward()
+            out[backend] = (y, xx.grad)
+        assert bool(calls) is reaches, (n, k, calls)
+        if not reaches:
+            for a, b in zip(out["torch"], out["reference"]):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_block_gemm_without_triton_where_it_is_needed_is_one_line(monkeypatch):
     """SM90 without Triton: a weight with a partial last row block (200 rows), which cuBLAS cannot scale, needs the
     Triton kernel; the error says so."""

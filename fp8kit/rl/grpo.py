@@ -31,6 +31,7 @@ from fp8kit.rl.grpo_loss import (LOSS_TYPES, group_advantages, mismatch_kl, nans
                                  truncated_importance_weights)
 from fp8kit.rl.loader import (_fsync, _one_line, _rng_devices, _short_repr, adapters_disabled, load_adapter,
                               lora_modules, write_adapter)
+from fp8kit.rl.regional_compile import check_torch_compile, compiled_decoder_layers
 from fp8kit.rl.rollout import ROLLOUT_METHODS, Completion, HFRollout
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -71,6 +72,9 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     gradient_accumulation_steps: int = 1  # micro-batches per step
     gradient_checkpointing: bool = True  # recompute each decoder layer in backward: activations dominate memory
+    # compile each decoder layer for the trainer's passes (fp8kit.rl.regional_compile; the first steps compile): the
+    # eager FP8 step at GRPO's micro-batches is bound by the host (as TRL's torch_compile, but layer by layer)
+    torch_compile: bool = False
     # dropout off while training (LoRA's and the model's): the rollout sampled without it, so with it the ratios,
     # importance weights and mismatch KL would measure dropout noise instead of the policy and the engine
     disable_dropout: bool = True
@@ -81,7 +85,7 @@ class GRPOConfig:
 
     def __post_init__(self):
         # a string such as "false" is truthy: it would silently mean True
-        for name in ("importance_sampling", "gradient_checkpointing", "disable_dropout"):
+        for name in ("importance_sampling", "gradient_checkpointing", "torch_compile", "disable_dropout"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise Fp8kitError(f"{name}={value!r}: expected True or False")
@@ -503,6 +507,8 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
                           f"rollout out")
     if config.output_dir is not None:  # it may have become a file since the config was made
         check_output_dir(config.output_dir, create=bool(config.save_steps))
+    if config.torch_compile:
+        check_torch_compile(model)
     if on_step is not None and not callable(on_step):  # called after the first step's rollout and update
         raise Fp8kitError(f"on_step={_short_repr(on_step, 40)}: expected a function taking each step's metrics dict")
     resume = resume_checkpoint(resume_from) if resume_from is not None else None  # before any work
@@ -727,36 +733,39 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
         total_tokens = batch["mask"].sum().clamp_min(1).item()
         total_rows = max(1, int((batch["mask"].sum(-1) > 0).sum().item()))  # rows with completion tokens (gspo)
         stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "mismatch_kl": 0.0, "is_weight_mean": 0.0}
-        for idx in chunks:
-            part = slice(int(idx[0]), int(idx[-1]) + 1)
-            logp = completion_logprobs(model, batch, part, config.temperature, config.top_p)
-            mask, rollout_logp = batch["mask"][part], batch["rollout_logp"][part]
-            ref_logp = None
-            if config.beta:  # the reference is the base model, as the issue asks (a departure from TRL for an adapter
-                # warm-started from SFT: TRL's PEFT path copies the starting adapter into a frozen "ref" adapter)
-                with torch.no_grad(), adapters_disabled(model):
-                    ref_logp = completion_logprobs(model, batch, part, config.temperature, config.top_p)
-            is_weights = (truncated_importance_weights(logp.detach(), rollout_logp, config.importance_sampling_cap)
-                          if config.importance_sampling else None)
-            out = policy_loss(logp, logp.detach(), advantages[part], mask, config.loss_type, config.epsilon,
-                              config.effective_epsilon_high, config.beta, ref_logp, is_weights,
-                              config.max_completion_length)
-            # each micro-batch's share of the whole batch's loss: its tokens for dapo's token-level mean, its
-            # rows for the per-sequence means (grpo, gspo) and dr_grpo's fixed denominator
-            share = (mask.sum().clamp_min(1).item() / total_tokens if config.loss_type == "dapo"
-                     else len(idx) / len(completions))
-            scaler.scale(out.loss * share).backward()
-            _add_grads_to_masters(trainable, masters)
-            stats["loss"] += out.loss.item() * share
-            # the logged token means are the batch's whatever the loss's weighting and the micro-batching (gspo's
-            # clip ratio counts sequences)
-            tokens = mask.sum().item() / total_tokens
-            rows_share = int((mask.sum(-1) > 0).sum().item()) / total_rows
-            stats["kl"] += out.kl * tokens
-            stats["clip_ratio"] += out.clip_ratio * (rows_share if config.loss_type == "gspo" else tokens)
-            stats["mismatch_kl"] += mismatch_kl(logp.detach(), rollout_logp, mask).item() * tokens
-            if is_weights is not None:
-                stats["is_weight_mean"] += ((is_weights * mask).sum() / mask.sum().clamp_min(1)).item() * tokens
+        # the decoder layers compiled for the trainer's passes only (generate's rollouts stay eager)
+        with compiled_decoder_layers(model, config.torch_compile):
+            for idx in chunks:
+                part = slice(int(idx[0]), int(idx[-1]) + 1)
+                logp = completion_logprobs(model, batch, part, config.temperature, config.top_p)
+                mask, rollout_logp = batch["mask"][part], batch["rollout_logp"][part]
+                ref_logp = None
+                if config.beta:  # the reference is the base model, as the issue asks (a departure from TRL for an
+                    # adapter warm-started from SFT: TRL's PEFT path copies the starting adapter into a frozen "ref"
+                    # adapter)
+                    with torch.no_grad(), adapters_disabled(model):
+                        ref_logp = completion_logprobs(model, batch, part, config.temperature, config.top_p)
+                is_weights = (truncated_importance_weights(logp.detach(), rollout_logp, config.importance_sampling_cap)
+                              if config.importance_sampling else None)
+                out = policy_loss(logp, logp.detach(), advantages[part], mask, config.loss_type, config.epsilon,
+                                  config.effective_epsilon_high, config.beta, ref_logp, is_weights,
+                                  config.max_completion_length)
+                # each micro-batch's share of the whole batch's loss: its tokens for dapo's token-level mean, its
+                # rows for the per-sequence means (grpo, gspo) and dr_grpo's fixed denominator
+                share = (mask.sum().clamp_min(1).item() / total_tokens if config.loss_type == "dapo"
+                         else len(idx) / len(completions))
+                scaler.scale(out.loss * share).backward()
+                _add_grads_to_masters(trainable, masters)
+                stats["loss"] += out.loss.item() * share
+                # the logged token means are the batch's whatever the loss's weighting and the micro-batching (gspo's
+                # clip ratio counts sequences)
+                tokens = mask.sum().item() / total_tokens
+                rows_share = int((mask.sum(-1) > 0).sum().item()) / total_rows
+                stats["kl"] += out.kl * tokens
+                stats["clip_ratio"] += out.clip_ratio * (rows_share if config.loss_type == "gspo" else tokens)
+                stats["mismatch_kl"] += mismatch_kl(logp.detach(), rollout_logp, mask).item() * tokens
+                if is_weights is not None:
+                    stats["is_weight_mean"] += ((is_weights * mask).sum() / mask.sum().clamp_min(1)).item() * tokens
         loss_scale = scaler.get_scale() if scaler.is_enabled() else None
         scaler.unscale_(optimizer)  # the masters' float32 gradients, before clipping sees them
         grad_norm = torch.nn.utils.clip_grad_norm_(list(masters.values()), config.max_grad_norm).item()
