@@ -385,7 +385,7 @@ def run_variant(args) -> dict:
     from fp8kit.rl.vllm_engine import storage_pointers
 
     checkpoint = Path(args.checkpoint)
-    base, _ = split_variant(args.variant)
+    base, settings = split_variant(args.variant)
     if base == "fp8-f32acc":  # read by every FP8LoRALinear that load_model builds
         os.environ["FP8KIT_FAST_ACCUM"] = "0"
     if base == "fp8-fp8bwd":
@@ -419,7 +419,7 @@ def run_variant(args) -> dict:
                         num_generations=WORKLOAD["num_generations"],
                         max_completion_length=WORKLOAD["max_completion_length"], learning_rate=1e-3,
                         gradient_accumulation_steps=16, seed=0,
-                        torch_compile=split_variant(args.variant)[1].get("torch_compile", False))
+                        torch_compile=settings.get("torch_compile", False))
     history = []
     with PeakMemory() as peak, GCPauses() as pauses:
         phased = PhaseRollout(engine, peak, pauses, args.trace_step)

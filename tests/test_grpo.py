@@ -370,7 +370,8 @@ def test_dropout_is_off_while_training_and_restored(tiny_fp8, tmp_path):
                                          ("importance_sampling_cap", 0.0), ("steps", 2.5), ("learning_rate", -1e-5),
                                          ("beta", -0.1), ("weight_decay", -1.0), ("epsilon", float("nan")),
                                          ("warmup_steps", "2"), ("num_generations", 2.5), ("num_generations", "4"),
-                                         ("save_steps", -1), ("seed", 1.5), ("adam_betas", (1.5, 0.9))])
+                                         ("save_steps", -1), ("seed", 1.5), ("adam_betas", (1.5, 0.9)),
+                                         ("torch_compile", "false")])
 def test_config_values_that_would_fail_after_a_rollout_are_refused(field, value):
     with pytest.raises(Fp8kitError) as e:
         GRPOConfig(**{field: value})

@@ -24,8 +24,9 @@ from torch import nn
 from fp8kit.errors import Fp8kitError
 
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
-# graphs per layer kind: grad and no-grad passes, adapters on and off (beta's reference), a static then a dynamic
-# shape, and layers that differ in what their forward reads (Gemma 3's sliding and global attention)
+# graphs a layer may need: grad and no-grad passes, adapters on and off (beta's reference), a static then a dynamic
+# shape; layers alike share theirs, and the limit allows that many for each layer, for models whose layers differ
+# in what their forward reads (Gemma 3's sliding and global attention)
 GRAPHS_PER_LAYER = 8
 
 
