@@ -7,13 +7,14 @@ exact or the FP8 input gradient (fp8bwd), with the layer's default fast accumula
 (f32acc), for blocks on the Triton GEMM that GPUs without cuBLAS block scaling run (tritongemm), and with
 transformers' MLP instead of the fused SiLU-multiply-quantize kernel load_fp8_model gives it (unfused), and with
 the exact input gradient's weight dequantized by torch's ops instead of the one-pass Triton kernel (torchdequant);
---gradient-checkpointing recomputes each decoder layer in backward, as the GRPO trainer does. Each FP8
+--gradient-checkpointing recomputes each decoder layer in backward, as the GRPO trainer does (non-reentrant, its
+eager layers' mode and the default here, or reentrant, its compiled layers'). Each FP8
 row is compared with the faster BF16 row of its own mode. Backends this machine cannot run (fbgemm-gpu-genai or
 torchao missing, a scheme the library or GPU lacks) get a row with the reason instead of numbers. Writes
 evals/results/fp8_lora.json, rewritten after every variant so that a run cut short keeps what it measured.
 
     python evals/bench_fp8_lora.py [--layers 4] [--batch 4] [--seq 2048] [--budget-s 300] [--profile]
-                                   [--gradient-checkpointing]
+                                   [--gradient-checkpointing [non-reentrant|reentrant]]
                                    [--variants bf16,dynamic/triton/fp8bwd+compile,...]
                                    [--out evals/results/fp8_lora.json]
 """
@@ -59,7 +60,7 @@ class PeftStyleLoRALinear(nn.Module):
         return nn.functional.linear(x, self.weight) + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
 
 
-def build(layers: int, variant: str, rank: int, checkpointing: bool = False):
+def build(layers: int, variant: str, rank: int, checkpointing: str | None = None):
     from transformers import Qwen3Config, Qwen3Model
 
     from fp8kit.converter.schemes import SCHEMES, quantize_weight
@@ -93,13 +94,10 @@ def build(layers: int, variant: str, rank: int, checkpointing: bool = False):
     for n, p in model.named_parameters():
         p.requires_grad_("lora_" in n)
     if checkpointing:  # as fp8kit.rl.grpo trains (GRPOConfig.gradient_checkpointing, transformers' own)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
         model.train()
-    if compile:  # regional compilation: each decoder layer, the same for every variant
+    if compile:  # compiled in _measure as GRPOConfig(torch_compile=True) compiles the trainer's layers
         torch._dynamo.reset()  # no variant reuses (or counts against the recompile limit of) another's graphs
-        torch._dynamo.config.recompile_limit = 64  # at most one graph per layer
-        for layer in model.layers:
-            layer.compile()
     torch.cuda.empty_cache()
     return model
 
@@ -129,9 +127,12 @@ def measure(variant: str, args) -> dict:
 
 
 def _measure(variant: str, args) -> dict:
+    from fp8kit.rl.regional_compile import compiled_decoder_layers
+
     model = build(args.layers, variant, args.rank, args.gradient_checkpointing)
     weights = weight_bytes(model)
-    x = torch.randn(args.batch, args.seq, QWEN3_8B["hidden_size"], device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(args.batch, args.seq, QWEN3_8B["hidden_size"], device="cuda", dtype=torch.bfloat16,
+                    requires_grad=args.gradient_checkpointing is not None)  # as the trainer's embeddings hook
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
 
@@ -142,22 +143,23 @@ def _measure(variant: str, args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    t0 = time.perf_counter()
-    for _ in range(args.warmup):  # includes torch's, Triton's and torchao's first-call compilation and autotuning
-        step()
-    torch.cuda.synchronize()
-    warmup_s = time.perf_counter() - t0
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - t0) / args.steps
-    row = {"tokens_per_s": args.batch * args.seq / seconds, "step_ms": seconds * 1e3,
-           "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "weight_gb": weights / 1e9,
-           "warmup_s": warmup_s}
-    if args.profile:
-        row["kernels"] = profile(step)
+    with compiled_decoder_layers(model, enabled=variant.endswith("+compile")):
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):  # includes torch's, Triton's and torchao's first-call compilation, autotuning
+            step()
+        torch.cuda.synchronize()
+        warmup_s = time.perf_counter() - t0
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - t0) / args.steps
+        row = {"tokens_per_s": args.batch * args.seq / seconds, "step_ms": seconds * 1e3,
+               "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "weight_gb": weights / 1e9,
+               "warmup_s": warmup_s}
+        if args.profile:
+            row["kernels"] = profile(step)
     del model, opt, params
     torch.cuda.empty_cache()
     return row
@@ -258,9 +260,10 @@ def main():
                          "unfused: transformers' MLP forward, not the fused SiLU-multiply-quantize kernel; "
                          "torchdequant: the exact input gradient's weight dequantized by torch's ops (as "
                          "compiled layers always do); "
-                         "+compile: torch.compile each decoder layer)")
-    ap.add_argument("--gradient-checkpointing", action="store_true",
-                    help="recompute each decoder layer in backward, as the GRPO trainer does")
+                         "+compile: the decoder layers compiled as GRPOConfig(torch_compile=True) compiles them)")
+    ap.add_argument("--gradient-checkpointing", nargs="?", const="non-reentrant", choices=("non-reentrant", "reentrant"),
+                    help="recompute each decoder layer in backward, as the GRPO trainer does: non-reentrant "
+                         "(the default; the trainer's eager layers) or reentrant (its compiled layers)")
     ap.add_argument("--profile", action="store_true", help="add each variant's GPU time per kernel for one step")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new variant after this many seconds (those left get a 'skipped' row)")

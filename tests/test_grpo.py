@@ -1074,14 +1074,15 @@ def test_checkpoint_files_reach_the_disk_before_the_rename(tiny_fp8, tmp_path, m
 
 def test_compiled_decoder_layers_train_the_step_eager_layers_train(tiny_fp8):
     """GRPOConfig.torch_compile: the decoder layers run compiled in the trainer's passes only (the rollout sees them
-    eager, and after the run they are as before), and the step (uneven micro-batches: two shapes; beta's
-    adapters-off reference pass) computes what the eager step does, to float32 accumulation order."""
+    eager, and after the run they are as before), checkpointed reentrant (eager: non-reentrant), and the step (uneven
+    micro-batches: two shapes; beta's adapters-off reference pass) computes what the eager step does, to float32
+    accumulation order."""
     from torch._dynamo.utils import counters
 
     from fp8kit.rl.regional_compile import decoder_layers
 
     torch._dynamo.reset()  # graphs an earlier test compiled for these layers would be reused, not counted
-    seen = []
+    seen, reentrant = [], []
     logged = []
     for compiled in (False, True):
         model, tok = _seeded_lora_model(tiny_fp8, torch.float32)
@@ -1091,20 +1092,58 @@ def test_compiled_decoder_layers_train_the_step_eager_layers_train(tiny_fp8):
         class Watched(Fixed):
             def generate(self, *args, **kwargs):
                 seen.append([m._compiled_call_impl for m in layers])
+                reentrant.append({m._gradient_checkpointing_func.keywords["use_reentrant"] for m in layers})
                 return super().generate(*args, **kwargs)
 
         config = GRPOConfig(steps=1, prompts_per_step=2, num_generations=4, max_completion_length=6, seed=5,
                             gradient_accumulation_steps=3, beta=0.04, torch_compile=compiled)
+        if compiled:  # the caller's own checkpointing, non-reentrant: the compiled run leaves it so
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         graphs = counters["stats"]["unique_graphs"]
         logged.append(train(model, tok, ["the quick", "lazy dog"], [_sum_reward], config,
                             rollout=Watched(model, tok))[0])
         assert (counters["stats"]["unique_graphs"] > graphs) is compiled
         assert layers and all(m._compiled_call_impl is None for m in layers)
+        assert model.is_gradient_checkpointing is compiled
+        if compiled:
+            assert {m._gradient_checkpointing_func.keywords["use_reentrant"] for m in layers} == {False}
     assert seen == [[None] * len(layers)] * 2
+    assert reentrant == [{False}, {True}]
     eager, comp = logged
     assert eager["grad_norm"] > 0 and eager["kl"] > 0
     for key in ("loss", "grad_norm", "kl", "mismatch_kl", "is_weight_mean"):
         assert comp[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-7), key
+
+
+def test_reentrant_checkpointing_only_where_the_input_embeddings_are_hooked(tiny_fp8, monkeypatch):
+    """Reentrant checkpointing gives the LoRA parameters no gradient unless the layers' input requires grad:
+    without a hook this enabling put on the input embeddings (none found, or hooks left from an earlier enabling
+    only) the trainer checkpoints non-reentrant, and adds no hook."""
+    from fp8kit.rl.grpo import _set_gradient_checkpointing
+    from fp8kit.rl.regional_compile import decoder_layers
+
+    def modes(model):
+        return {m._gradient_checkpointing_func.keywords["use_reentrant"] for m in decoder_layers(model)}
+
+    model, _ = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    _set_gradient_checkpointing(model, True, reentrant=True)
+    assert modes(model) == {True} and len(model._require_grads_hooks) == 1
+    ids = torch.randint(0, 512, (2, 5), generator=torch.Generator().manual_seed(0))
+    model.train()
+    model(input_ids=ids, use_cache=False).logits.pow(2).mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+    model.gradient_checkpointing_disable()
+    model._require_grads_hooks[0].remove()
+
+    model, _ = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    # as transformers' enable_input_require_grads does where it finds no input embeddings to hook
+    monkeypatch.setattr(model, "enable_input_require_grads", lambda: setattr(model, "_require_grads_hooks", []))
+    _set_gradient_checkpointing(model, True, reentrant=True)
+    assert modes(model) == {False} and not model._require_grads_hooks
+    stale = model._require_grads_hooks = [torch.nn.Identity().register_forward_hook(lambda *a: None)]
+    monkeypatch.setattr(model, "enable_input_require_grads", lambda: None)  # as for inputs other than input_ids
+    _set_gradient_checkpointing(model, True, reentrant=True)
+    assert modes(model) == {False} and model._require_grads_hooks is stale
 
 
 def test_compiled_decoder_layers_restore_what_the_layers_had(tiny_fp8):
