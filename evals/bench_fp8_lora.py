@@ -221,12 +221,23 @@ def unsupported(variant: str, backends: dict) -> str | None:
     return None if scheme in entry["schemes"] else entry["unsupported"].get(scheme, "not supported")
 
 
+def row_key(variant: str, rows: dict) -> str:
+    """A variant named again (a BF16 row before and after the FP8 ones, to see the host drift) gets a row of its own,
+    `variant #2`: it replaced the first one's."""
+    n = 1 + sum(variant_of(k) == variant for k in rows)
+    return variant if n == 1 else f"{variant} #{n}"
+
+
+def variant_of(key: str) -> str:
+    return key.split(" #")[0]
+
+
 def summarize(rows: dict, report: dict) -> None:
     """Speedups against the faster BF16 baseline (fp8kit's LoRA or PEFT's forward) of the same mode, eager or
     compiled; the report's headline is the best FP8 row."""
     done = {k: v for k, v in rows.items() if "tokens_per_s" in v}
     for compiled in (False, True):
-        mode = {k: v for k, v in done.items() if k.endswith("+compile") == compiled}
+        mode = {k: v for k, v in done.items() if variant_of(k).endswith("+compile") == compiled}
         bf16 = [v for k, v in mode.items() if k.startswith("bf16")]
         if not bf16:
             continue
@@ -304,21 +315,22 @@ def main():
         write_json(out, report)
 
     for variant in args.variants.split(","):
+        key = row_key(variant, rows)
         why = unsupported(variant, backends)
         if why is None and args.budget_s is not None and time.perf_counter() - start > args.budget_s:
             why = f"time budget: --budget-s {args.budget_s:g} spent before this variant started"
         if why is not None:
-            rows[variant] = {"skipped": why}
+            rows[key] = {"skipped": why}
         else:
-            rows[variant] = {"error": "unfinished: the run stopped while this variant was measured"}
+            rows[key] = {"error": "unfinished: the run stopped while this variant was measured"}
             write()
             try:
-                rows[variant] = measure(variant, args)
+                rows[key] = measure(variant, args)
             except Exception as e:  # noqa: BLE001 - a backend that fails is reported, not fatal
-                rows[variant] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                rows[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 torch.cuda.empty_cache()
         write()
-        print(variant, rows[variant], flush=True)
+        print(key, rows[key], flush=True)
     report["bench_s"] = time.perf_counter() - start
     write()
     print(json.dumps({k: report[k] for k in ("best_backend", "speedup_vs_bf16", "weight_memory_ratio",

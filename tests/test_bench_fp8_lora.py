@@ -2,7 +2,7 @@
 
 import pytest
 
-from evals.bench_fp8_lora import fp8_variant, unsupported
+from evals.bench_fp8_lora import fp8_variant, row_key, summarize, unsupported
 
 BACKENDS = {"triton": {"schemes": ["dynamic", "block", "tensor"], "unsupported": {}},
             "fbgemm": {"schemes": [], "unsupported": {"dynamic": "needs the fbgemm-gpu-genai package"}}}
@@ -22,3 +22,19 @@ def test_unreadable_or_unrunnable_variants_get_the_reason():
     assert "unknown option ['fastacc']" in unsupported("dynamic/triton/fastacc", BACKENDS)
     assert unsupported("dynamic/cutlass", BACKENDS) == "unknown backend 'cutlass'"
     assert unsupported("dynamic/fbgemm", BACKENDS) == "needs the fbgemm-gpu-genai package"
+
+
+def test_a_variant_named_twice_keeps_both_rows_and_its_mode():
+    """bf16 before and after the FP8 rows (the host's drift): the second replaced the first; the faster one is the
+    baseline of its mode, and a repeated compiled row stays compiled."""
+    rows = {}
+    for variant, tok_s in [("bf16", 100.0), ("dynamic/triton", 90.0), ("bf16", 80.0), ("bf16+compile", 120.0),
+                           ("dynamic/triton+compile", 150.0), ("dynamic/triton+compile", 140.0)]:
+        rows[row_key(variant, rows)] = {"tokens_per_s": tok_s, "peak_memory_gb": 1.0, "weight_gb": 1.0}
+    assert list(rows) == ["bf16", "dynamic/triton", "bf16 #2", "bf16+compile", "dynamic/triton+compile",
+                          "dynamic/triton+compile #2"]
+    report = {}
+    summarize(rows, report)
+    assert rows["dynamic/triton"]["speedup_vs_bf16"] == pytest.approx(0.9)
+    assert rows["dynamic/triton+compile #2"]["speedup_vs_bf16"] == pytest.approx(140 / 120)
+    assert report["best_backend"] == "dynamic/triton+compile" and report["speedup_vs_bf16"] == pytest.approx(1.25)

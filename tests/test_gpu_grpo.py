@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["fp8", "bf16", "fp8+fp16"])
+@pytest.mark.parametrize("variant", ["fp8", "bf16", "fp8+fp16", "fp8+compile"])
 def test_vllm_shares_the_trainers_weights(tmp_path, variant):
     pytest.importorskip("vllm")
     out = tmp_path / "grpo.json"
