@@ -8,13 +8,15 @@ exact or the FP8 input gradient (fp8bwd), with the layer's default fast accumula
 transformers' MLP instead of the fused SiLU-multiply-quantize kernel load_fp8_model gives it (unfused), and with
 the exact input gradient's weight dequantized by torch's ops instead of the one-pass Triton kernel (torchdequant);
 --gradient-checkpointing recomputes each decoder layer in backward, as the GRPO trainer does (non-reentrant, its
-eager layers' mode and the default here, or reentrant, its compiled layers'). Each FP8
+eager layers' mode and the default here, or reentrant, its compiled layers'); --first-seq runs the first warm-up
+step at another length, so that compiled layers are timed on the graph dynamo recompiles with a dynamic length (a
+GRPO run's, once its batch width has changed). Each FP8
 row is compared with the faster BF16 row of its own mode. Backends this machine cannot run (fbgemm-gpu-genai or
 torchao missing, a scheme the library or GPU lacks) get a row with the reason instead of numbers. Writes
 evals/results/fp8_lora.json, rewritten after every variant so that a run cut short keeps what it measured.
 
     python evals/bench_fp8_lora.py [--layers 4] [--batch 4] [--seq 2048] [--budget-s 300] [--profile]
-                                   [--gradient-checkpointing [non-reentrant|reentrant]]
+                                   [--gradient-checkpointing [non-reentrant|reentrant]] [--first-seq 320]
                                    [--variants bf16,dynamic/triton/fp8bwd+compile,...]
                                    [--out evals/results/fp8_lora.json]
 """
@@ -22,6 +24,7 @@ evals/results/fp8_lora.json, rewritten after every variant so that a run cut sho
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -110,20 +113,46 @@ def weight_bytes(model) -> int:
     return total
 
 
+@functools.cache
+def opaque_quantizer():
+    """fp8kit's Triton activation quantizer as the opaque operator its compiled layers called until 2026-11-27."""
+    from fp8kit.rl.fp8_linear import GROUP, MIN_SCALE
+    from fp8kit.rl.triton_quant import quantize_activation_triton
+
+    @torch.library.custom_op("fp8kit_bench::quantize_activation", mutates_args=())
+    def quantize(x: torch.Tensor, scheme: str, col_scale: torch.Tensor | None = None,
+                 min_scale: float = MIN_SCALE) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_activation_triton(x.contiguous(), scheme, col_scale, min_scale)
+
+    @quantize.register_fake
+    def _(x, scheme, col_scale=None, min_scale=MIN_SCALE):
+        M, K = x.shape
+        return (x.new_empty((M, K), dtype=torch.float8_e4m3fn),
+                x.new_empty((M, K // GROUP if scheme == "block" else 1), dtype=torch.float32))
+
+    return quantize
+
+
 def measure(variant: str, args) -> dict:
     from fp8kit.rl import fp8_linear
 
     cublas_block_scaling, dequantized = fp8_linear.cublas_block_scaling, fp8_linear._dequantized
+    fused_quantizer = fp8_linear._fused_quantizer
     options = set() if variant.startswith("bf16") else fp8_variant(variant)[2]
     if "tritongemm" in options:
         fp8_linear.cublas_block_scaling = lambda device: False
     if "torchdequant" in options:
         fp8_linear._dequantized = lambda weight, scale, scheme, dtype, backend: fp8_linear.dequantize_weight(
             weight, scale, scheme, dtype)
+    if "opaquequant" in options:
+        opaque = opaque_quantizer()  # built here: looked up inside the compiled layers it made a step 3.4x as long
+        fp8_linear._fused_quantizer = lambda backend: opaque if torch.compiler.is_compiling() else fused_quantizer(
+            backend)
     try:
         return _measure(variant, args)
     finally:
         fp8_linear.cublas_block_scaling, fp8_linear._dequantized = cublas_block_scaling, dequantized
+        fp8_linear._fused_quantizer = fused_quantizer
 
 
 def _measure(variant: str, args) -> dict:
@@ -131,12 +160,16 @@ def _measure(variant: str, args) -> dict:
 
     model = build(args.layers, variant, args.rank, args.gradient_checkpointing)
     weights = weight_bytes(model)
-    x = torch.randn(args.batch, args.seq, QWEN3_8B["hidden_size"], device="cuda", dtype=torch.bfloat16,
-                    requires_grad=args.gradient_checkpointing is not None)  # as the trainer's embeddings hook
+
+    def embeddings(seq: int) -> torch.Tensor:
+        return torch.randn(args.batch, seq, QWEN3_8B["hidden_size"], device="cuda", dtype=torch.bfloat16,
+                           requires_grad=args.gradient_checkpointing is not None)  # as the trainer's embeddings hook
+
+    x = embeddings(args.seq)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
 
-    def step():
+    def step(x=x):
         out = model(inputs_embeds=x, use_cache=False).last_hidden_state
         loss = out.float().pow(2).mean()
         loss.backward()
@@ -145,6 +178,8 @@ def _measure(variant: str, args) -> dict:
 
     with compiled_decoder_layers(model, enabled=variant.endswith("+compile")):
         t0 = time.perf_counter()
+        if args.first_seq:  # a GRPO run's first width: dynamo then recompiles for --seq with a dynamic length
+            step(embeddings(args.first_seq))
         for _ in range(args.warmup):  # includes torch's, Triton's and torchao's first-call compilation, autotuning
             step()
         torch.cuda.synchronize()
@@ -195,8 +230,10 @@ DEFAULT_VARIANTS = ("bf16,bf16-peft,dynamic/torch,dynamic/triton,dynamic/triton/
 # fp8bwd: the input gradient in FP8 too; f32acc: no fast accumulation; tritongemm: block GEMMs on fp8kit's Triton
 # kernel, as on GPUs where cuBLAS cannot scale blocks (L4, RTX 40/50, Blackwell), instead of cuBLAS; unfused:
 # transformers' MLP forward instead of the fused SiLU-multiply-quantize kernel that load_fp8_model gives the MLPs;
-# torchdequant: the exact input gradient's weight dequantized by torch's three ops, not the one-pass Triton kernel
-OPTIONS = ("fp8bwd", "f32acc", "tritongemm", "unfused", "torchdequant")
+# torchdequant: the exact input gradient's weight dequantized by torch's three ops, not the one-pass Triton kernel;
+# opaquequant: compiled, the Triton quantization kernel called as an opaque operator (fp8kit's compiled layers until
+# 2026-11-27; the compiler calls it once for an input q/k/v or gate/up share) instead of traced into the graph
+OPTIONS = ("fp8bwd", "f32acc", "tritongemm", "unfused", "torchdequant", "opaquequant")
 
 
 def fp8_variant(variant: str) -> tuple[str, str, set[str]]:
@@ -265,16 +302,20 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS,
                     help="comma-separated: bf16, bf16-peft and scheme/backend[/fp8bwd][/f32acc][/tritongemm][/unfused]"
-                         "[/torchdequant], "
+                         "[/torchdequant][/opaquequant], "
                          "each optionally +compile (fp8bwd: the input-gradient GEMM in FP8 too; f32acc: FP8 GEMMs "
                          "without fast accumulation; tritongemm: block GEMMs on fp8kit's Triton kernel, as off SM90; "
                          "unfused: transformers' MLP forward, not the fused SiLU-multiply-quantize kernel; "
                          "torchdequant: the exact input gradient's weight dequantized by torch's ops (as "
-                         "compiled layers always do); "
+                         "compiled layers always do); opaquequant: compiled, the Triton quantization kernel called "
+                         "as an opaque operator, not traced into the graph; "
                          "+compile: the decoder layers compiled as GRPOConfig(torch_compile=True) compiles them)")
     ap.add_argument("--gradient-checkpointing", nargs="?", const="non-reentrant", choices=("non-reentrant", "reentrant"),
                     help="recompute each decoder layer in backward, as the GRPO trainer does: non-reentrant "
                          "(the default; the trainer's eager layers) or reentrant (its compiled layers)")
+    ap.add_argument("--first-seq", type=int, default=None,
+                    help="run the first warm-up step at this sequence length: compiled, the timed steps at --seq then "
+                         "run the graph dynamo recompiles with a dynamic length, as after a GRPO batch's width changes")
     ap.add_argument("--profile", action="store_true", help="add each variant's GPU time per kernel for one step")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new variant after this many seconds (those left get a 'skipped' row)")
@@ -300,7 +341,8 @@ def main():
         "command": "python evals/bench_fp8_lora.py " + " ".join(sys.argv[1:]),
         # settings that change what is measured (the compiler's, the FP8 layer's) travel with the numbers
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("TORCHINDUCTOR_", "FP8KIT_"))},
-        "config": {**QWEN3_8B, "layers": args.layers, "batch": args.batch, "seq": args.seq, "lora_rank": args.rank,
+        "config": {**QWEN3_8B, "layers": args.layers, "batch": args.batch, "seq": args.seq, "first_seq": args.first_seq,
+                   "lora_rank": args.rank,
                    "lora_targets": list(PROJECTIONS), "optimizer": "AdamW on LoRA", "steps": args.steps,
                    "gradient_checkpointing": args.gradient_checkpointing},
         "best_backend": None, "speedup_vs_bf16": None, "weight_memory_ratio": None, "peak_memory_ratio_vs_bf16": None,

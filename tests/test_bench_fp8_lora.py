@@ -12,6 +12,9 @@ def test_variant_names_are_read_with_their_options():
     assert fp8_variant("dynamic/triton/fp8bwd/f32acc+compile") == ("dynamic", "triton", {"fp8bwd", "f32acc"})
     assert fp8_variant("block/triton/fp8bwd/tritongemm+compile") == ("block", "triton", {"fp8bwd", "tritongemm"})
     assert fp8_variant("block/torch") == ("block", "torch", set())
+    assert fp8_variant("dynamic/triton/opaquequant+compile") == ("dynamic", "triton", {"opaquequant"})
+    with pytest.raises(ValueError, match=r"unknown option \['tracedquant'\]"):  # traced is the default
+        fp8_variant("dynamic/triton/tracedquant+compile")
     with pytest.raises(ValueError, match=r"unknown option \['fp8bwdd'\]"):
         fp8_variant("tensor/triton/fp8bwdd")
 

@@ -235,7 +235,7 @@ def test_block_layer_on_the_triton_gemm_matches_reference(monkeypatch, fp8_backw
 @pytest.mark.parametrize("scheme", ["dynamic", "block", "tensor"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_compiled_layer_matches_eager(scheme, backend):
-    """Under torch.compile the triton backend calls its quantizer as an opaque operator and the torch backend's
+    """Under torch.compile the triton backend's quantization kernel is traced into the graph and the torch backend's
     quantization is fused by Inductor; both must compute the eager layer's function, gradients included."""
     torch._dynamo.reset()
     eager, compiled = layer(scheme, backend, fp8_backward=True), layer(scheme, backend, fp8_backward=True)

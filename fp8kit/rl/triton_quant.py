@@ -72,23 +72,6 @@ def quantize_activation_triton(x: torch.Tensor, scheme: str, col_scale: torch.Te
     return q, s
 
 
-@torch.library.custom_op("fp8kit::quantize_activation", mutates_args=())
-def quantize_activation_op(x: torch.Tensor, scheme: str, col_scale: torch.Tensor | None = None,
-                           min_scale: float = MIN_SCALE) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_activation_triton as one opaque operator, so that torch.compile calls this single-pass kernel
-    instead of fusing torch's quantization ops into the neighbouring kernels. Against Inductor's fusion (the torch
-    backend, compiled) the LoRA bench's step takes the same time and 0.40 GB less peak memory on an H100
-    (evals/results/fp8_lora.json, dynamic/triton/fp8bwd+compile against dynamic/torch/fp8bwd+compile)."""
-    return quantize_activation_triton(x.contiguous(), scheme, col_scale, min_scale)
-
-
-@quantize_activation_op.register_fake
-def _(x, scheme, col_scale=None, min_scale=MIN_SCALE):
-    M, K = x.shape
-    scales = K // GROUP if scheme == "block" else 1
-    return (x.new_empty((M, K), dtype=torch.float8_e4m3fn), x.new_empty((M, scales), dtype=torch.float32))
-
-
 @triton.jit
 def _silu(g, dtype: tl.constexpr):
     """torch's SiLU of a 16-bit tensor: g / (1 + exp(-g)) in float32 (IEEE division, libdevice's expf, as ATen's
