@@ -273,8 +273,8 @@ _last_quantized = _LastQuantized()
 def _quantize_input_once(x: torch.Tensor, x2: torch.Tensor, scheme: str,
                          backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """_quantize_input, reusing the result when the same unmodified input tensor comes again (eager only)."""
-    # compiled, each projection quantizes its input (the compiler dedupes the torch backend's ops, not the traced
-    # Triton kernel's: 4 layers at 4 x 2048 tokens lost 0.5%, _fused_quantizer); inference tensors have no version
+    # compiled, each projection quantizes its input (the compiler does not merge the traced Triton kernel's calls on
+    # an input q/k/v share, as it did the opaque operator's: _fused_quantizer); inference tensors have no version
     # counter to key on
     if torch.compiler.is_compiling() or x.is_inference():
         return _quantize_input(x2, scheme, backend)
@@ -292,8 +292,9 @@ def _fused_quantizer(backend: str):
     (the torch backend's ops are fused by the compiler into the neighbouring kernels instead). It was an opaque
     operator there before, which the compiler calls once for the input q/k/v (and gate/up) share, but whose host
     cost per call bound GRPO's micro-batches: on one H100, 32 compiled layers at 8 x 384 tokens with reentrant
-    checkpointing took 221.0 ms a step traced and 263.8 ms opaque (BF16 240.8-247.7), while 4 layers at 4 x 2048
-    took 45.4 against 45.2 ms (evals/results/fp8_lora_h100_*traced_quant.json)."""
+    checkpointing took 221.0 ms a step traced and 263.8 ms opaque (BF16 240.8-247.7; on another H100 237.5 against
+    251.5 ms), while 4 layers at 4 x 2048 took 45.4 against 45.2 ms with fp8_backward, 50.8 against 50.6 ms without
+    (evals/results/fp8_lora_h100_*traced_quant.json, ..._quantizers.json)."""
     if backend not in ("triton", *LIBRARY_BACKENDS):
         return None
     try:
