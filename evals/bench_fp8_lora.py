@@ -8,9 +8,10 @@ exact or the FP8 input gradient (fp8bwd), with the layer's default fast accumula
 transformers' MLP instead of the fused SiLU-multiply-quantize kernel load_fp8_model gives it (unfused), and with
 the exact input gradient's weight dequantized by torch's ops instead of the one-pass Triton kernel (torchdequant);
 --gradient-checkpointing recomputes each decoder layer in backward, as the GRPO trainer does (non-reentrant, its
-eager layers' mode and the default here, or reentrant, its compiled layers'); --first-seq runs the first warm-up
-step at another length, so that compiled layers are timed on the graph dynamo recompiles with a dynamic length (a
-GRPO run's, once its batch width has changed). Each FP8
+eager layers' mode and the default here, or reentrant, its compiled layers'); compiled layers are timed on a graph
+for the one length --seq unless --first-seq runs the first warm-up step at another length: the layers then compile
+with a dynamic length, as the GRPO trainer's do (results made with it before 2026-11-27 timed the graph dynamo
+recompiled at the second length). Each FP8
 row is compared with the faster BF16 row of its own mode. Backends this machine cannot run (fbgemm-gpu-genai or
 torchao missing, a scheme the library or GPU lacks) get a row with the reason instead of numbers. Writes
 evals/results/fp8_lora.json, rewritten after every variant so that a run cut short keeps what it measured.
@@ -178,9 +179,9 @@ def _measure(variant: str, args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    with compiled_decoder_layers(model, enabled=variant.endswith("+compile")):
+    with compiled_decoder_layers(model, enabled=variant.endswith("+compile"), dynamic_length=bool(args.first_seq)):
         t0 = time.perf_counter()
-        if args.first_seq:  # a GRPO run's first width: dynamo then recompiles for --seq with a dynamic length
+        if args.first_seq:  # a GRPO run's first width, then the timed steps at --seq on the same graph
             step(embeddings(args.first_seq))
         for _ in range(args.warmup):  # includes torch's, Triton's and torchao's first-call compilation, autotuning
             step()
@@ -316,13 +317,15 @@ def main():
                     help="recompute each decoder layer in backward, as the GRPO trainer does: non-reentrant "
                          "(the default; the trainer's eager layers) or reentrant (its compiled layers)")
     ap.add_argument("--first-seq", type=int, default=None,
-                    help="run the first warm-up step at this sequence length: compiled, the timed steps at --seq then "
-                         "run the graph dynamo recompiles with a dynamic length, as after a GRPO batch's width changes")
+                    help="run the first warm-up step at this sequence length: compiled, the layers then compile with a "
+                         "dynamic length, as the GRPO trainer's do, and the timed steps at --seq run that graph")
     ap.add_argument("--profile", action="store_true", help="add each variant's GPU time per kernel for one step")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new variant after this many seconds (those left get a 'skipped' row)")
     ap.add_argument("--out", default=str(ROOT / "evals/results/fp8_lora.json"))
     args = ap.parse_args()
+    if args.first_seq is not None and args.first_seq < 2:
+        ap.error(f"--first-seq {args.first_seq}: give a length of 2 or more, or leave it out")
     import transformers
     import triton
 

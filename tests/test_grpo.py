@@ -782,6 +782,33 @@ def test_top_p_rollout_and_trainer_score_the_same_nucleus(tiny_fp8):
     assert history[0]["mismatch_kl"] < 1e-6 and history[0]["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
 
 
+def test_batch_rounded_to_a_multiple_pads_on_the_left_and_scores_the_same(tiny_fp8):
+    """The trainer with compiled layers rounds a step's width up to a multiple of 8 (the compiled attention guards on
+    it): the extra columns are padding before the prompts, so completions, masks and the trainer's
+    log-probabilities are the unrounded batch's, to float32 accumulation order."""
+    from fp8kit.rl.grpo import _batch, completion_logprobs
+    from fp8kit.rl.rollout import Completion
+
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    prompts = [tok("the quick")["input_ids"], tok("lazy dog jumps")["input_ids"]]
+    ids = torch.randint(3, 500, (4, 6), generator=torch.Generator().manual_seed(0)).tolist()
+    completions = [Completion(ids[i][:k], [-1.5] * k) for i, k in enumerate((6, 2, 4, 5))]
+    plain = _batch(prompts, completions, 2, tok.pad_token_id, torch.device("cpu"))
+    rounded = _batch(prompts, completions, 2, tok.pad_token_id, torch.device("cpu"), multiple=8)
+    extra = rounded["input_ids"].shape[1] - plain["input_ids"].shape[1]
+    assert rounded["input_ids"].shape[1] % 8 == 0 and 0 <= extra < 8
+    assert plain["input_ids"].shape[1] % 8 != 0  # else this test checks nothing
+    assert (rounded["attention_mask"][:, :extra] == 0).all() and (rounded["input_ids"][:, :extra] == tok.pad_token_id).all()
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        assert torch.equal(rounded[key][:, extra:], plain[key]), key
+    for key in ("completion_ids", "mask", "rollout_logp"):
+        assert torch.equal(rounded[key], plain[key]), key
+    with torch.no_grad():
+        got = completion_logprobs(model, rounded, slice(0, 4), 1.0)
+        want = completion_logprobs(model, plain, slice(0, 4), 1.0)
+    torch.testing.assert_close(got * plain["mask"], want * plain["mask"], rtol=1e-5, atol=1e-5)
+
+
 def test_reward_functions_get_every_column_at_every_step(tiny_fp8):
     """Dict prompts whose keys differ: each step passes every column any row has (None where a row lacks it),
     paired with its own completions, whichever row the step drew first."""
@@ -895,7 +922,8 @@ def test_chat_prompts_reach_the_engine_and_the_trainer_with_one_bos(tiny_fp8, mo
             return super().generate(prompt_ids, *args, **kwargs)
 
     batch = grpo._batch
-    monkeypatch.setattr(grpo, "_batch", lambda prompt_ids, *a: trainer.extend(prompt_ids) or batch(prompt_ids, *a))
+    monkeypatch.setattr(grpo, "_batch",
+                        lambda prompt_ids, *a, **kw: trainer.extend(prompt_ids) or batch(prompt_ids, *a, **kw))
 
     def reward(prompts, completions, **_):
         rewarded.append((prompts[0], completions[0]))
@@ -1194,6 +1222,45 @@ def test_compiled_layers_share_one_graph_whatever_the_depth(tmp_path, monkeypatc
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert all(isinstance(m.__dict__.get("forward"), _FusedForward) for m in mlps)  # and back
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_compiled_layers_compile_once_for_batches_of_every_width(tmp_path, monkeypatch, arch):
+    """GRPO's batches change width each step, padded on the left: the layers compile one graph per pass (the first
+    layer's and the others') with a dynamic length, where dynamo's default (dynamic_length=False) compiles a static
+    graph and again at the first new width. Gemma 3's sliding-window layers take lengths past the window. Forward
+    and input gradients as eager's."""
+    from torch._dynamo.utils import counters
+
+    from fp8kit import convert
+    from fp8kit.rl import load_fp8_model, regional_compile
+
+    monkeypatch.setattr(regional_compile, "_compiled_call",
+                        lambda: torch.compile(regional_compile._call_layer, backend="aot_eager"))
+    src = build_checkpoint(tmp_path / "src", arch, torch.bfloat16, seed=3, num_hidden_layers=2)
+    model = load_fp8_model(convert(src, tmp_path / "fp8", scheme="dynamic").out, dtype=torch.float32, lora_rank=4)
+    lora = [p for p in model.parameters() if p.requires_grad]
+
+    def step(length):
+        ids = torch.randint(0, 512, (3, length), generator=torch.Generator().manual_seed(length))
+        mask = torch.ones_like(ids)
+        mask[0, :4] = 0
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                       use_cache=False).logits
+        grads = torch.autograd.grad(logits.pow(2).mean(), lora)
+        return logits, grads
+
+    for dynamic_length, graphs in ((True, [2, 2, 2]), (False, [2, 4, 4])):
+        torch._dynamo.reset()
+        counters.clear()
+        seen = []
+        for length in (9, 13, 70):
+            want = step(length)
+            with regional_compile.compiled_decoder_layers(model, dynamic_length=dynamic_length):
+                got = step(length)
+            seen.append(counters["stats"]["unique_graphs"])
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert seen == graphs, (dynamic_length, dict(counters["stats"]))
 
 
 def test_torch_compile_needs_decoder_layers_and_a_recent_torch(tiny_fp8, monkeypatch):

@@ -215,11 +215,14 @@ def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**31 - 1)
 
 
-def _batch(prompt_ids: list[list[int]], completions: list[Completion], n: int, pad_id: int, device):
+def _batch(prompt_ids: list[list[int]], completions: list[Completion], n: int, pad_id: int, device,
+           multiple: int = 1):
     """Left-padded prompts then right-padded completions: [N, P + T] ids, attention mask, positions, plus the
-    [N, T] completion ids, mask and rollout log-probabilities."""
+    [N, T] completion ids, mask and rollout log-probabilities. P + T is rounded up to a `multiple` by padding more
+    on the left."""
     rows = [p for p in prompt_ids for _ in range(n)]
     width, length = max(len(p) for p in rows), max(1, max(len(c.token_ids) for c in completions))
+    width += -(width + length) % multiple
     ids = torch.full((len(rows), width + length), pad_id, dtype=torch.long)
     attention = torch.zeros_like(ids)
     rollout_logp = torch.zeros((len(rows), length))
@@ -733,7 +736,10 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
 
         t0 = time.perf_counter()
         rollout.sleep()  # the engine's KV cache is released while the trainer needs the memory
-        batch = _batch(prompt_ids, completions, n, pad_id, device)
+        # compiled, widths a multiple of 8: with an attention mask Inductor's CUDA attention guards on the length's
+        # alignment (L % 8, inductor/ir.py is_aligned_realized_tensor), and a width of the other kind compiled the
+        # layers again (evals/results/grpo_toy_h100_compile_dynamic_length.json)
+        batch = _batch(prompt_ids, completions, n, pad_id, device, multiple=8 if config.torch_compile else 1)
         lr = learning_rate_at(config, step)
         for group in optimizer.param_groups:
             group["lr"] = lr

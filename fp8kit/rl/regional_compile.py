@@ -10,6 +10,15 @@ gradient checkpointing recomputes the compiled layer (the trainer checkpoints co
 grpo._set_gradient_checkpointing). Rollouts stay eager: vLLM compiles its own model, and
 transformers' generate would recompile for each decode length.
 
+The sequence length is dynamic from the first compile: GRPO's batches change width from step to step, and dynamo
+would otherwise compile a static graph first and compile again, with a dynamic length, at the first change. Compiling
+the layers' graphs took 18.6-23.8 s of a step's training phase in an 8B run on an H100
+(grpo_gpu_h100_8b_compile_traced_quant.json). Batches with and without padding still compile a graph each, once:
+transformers gives the layers an attention mask only where there is padding. With a mask, Inductor's CUDA attention
+also guards on the length being a multiple of 8, so the trainer rounds its widths up to one (grpo._batch): a toy run
+on an H100 then compiled in its first step only, against steps 1, 3 and 4 unrounded
+(grpo_toy_h100_compile_dynamic_length.json).
+
 Inductor keeps the roundings to the model dtype between the ops it fuses (emulate_precision_casts), as the runtime's
 vLLM engine does for FP8 checkpoints (vllm_engine.KEEP_PRECISION_CASTS): the activations the trainer quantizes are
 then the eager trainer's. Not every result is bit-equal to eager (the LoRA product and its scaling round separately
@@ -21,14 +30,15 @@ import functools
 from contextlib import contextmanager
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from fp8kit.errors import Fp8kitError
 
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 # graphs a layer may need: grad and no-grad passes, adapters on and off (beta's reference), a static then a dynamic
-# shape; layers alike share theirs, and the limit allows that many for each layer, for models whose layers differ
-# in what their forward reads (Gemma 3's sliding and global attention)
+# length where the length is not dynamic from the start; layers alike share theirs, and the limit allows that many for
+# each layer, for models whose layers differ in what their forward reads (Gemma 3's sliding and global attention)
 GRAPHS_PER_LAYER = 8
 
 
@@ -41,6 +51,22 @@ def _compiled_call():
     """One compiled function for every layer: the layer is its argument (parameters become graph inputs), so layers
     alike share a graph (checked by counting graphs: test_compiled_layers_share_one_graph_whatever_the_depth)."""
     return torch.compile(_call_layer, options=COMPILE_OPTIONS)
+
+
+def _call_with_dynamic_length(layer: nn.Module, *args, **kwargs):
+    """The compiled call, each input dimension of the hidden states' length marked dynamic first: the attention mask,
+    position ids and rotary tables carry it too, and one left static would make dynamo specialize the length again.
+    maybe_mark_dynamic, because a dimension only equal to the length by chance (a head dim of 128 at length 128) is
+    then specialized without an error. Marked at every call: reentrant checkpointing recomputes on detached copies."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] > 1:
+        length = hidden.shape[1]
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                for dim, size in enumerate(t.shape):
+                    if size == length:
+                        torch._dynamo.maybe_mark_dynamic(t, dim)
+    return _compiled_call()(layer, *args, **kwargs)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -74,9 +100,10 @@ def _fused_forwards(layers: list[nn.Module]) -> dict[nn.Module, object]:
 
 
 @contextmanager
-def compiled_decoder_layers(model: nn.Module, enabled: bool = True):
+def compiled_decoder_layers(model: nn.Module, enabled: bool = True, dynamic_length: bool = True):
     """Within the block each decoder layer of `model` runs compiled (compiling at its first call); after it, each
-    runs as before (eager, or a compiled call the caller had set)."""
+    runs as before (eager, or a compiled call the caller had set). dynamic_length=False compiles a static graph
+    first, as dynamo does by default (evals/bench_fp8_lora.py times layers at one length so)."""
     layers = decoder_layers(model) if enabled else []
     if not layers:
         yield
@@ -86,7 +113,7 @@ def compiled_decoder_layers(model: nn.Module, enabled: bool = True):
     for m in forwards:
         del m.forward
     for m in layers:
-        m._compiled_call_impl = functools.partial(_compiled_call(), m)
+        m._compiled_call_impl = functools.partial(_call_with_dynamic_length if dynamic_length else _compiled_call(), m)
     limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_LAYER * len(layers))
     try:
         with torch._dynamo.config.patch(recompile_limit=limit,
