@@ -41,3 +41,19 @@ def test_a_variant_named_twice_keeps_both_rows_and_its_mode():
     assert rows["dynamic/triton"]["speedup_vs_bf16"] == pytest.approx(0.9)
     assert rows["dynamic/triton+compile #2"]["speedup_vs_bf16"] == pytest.approx(140 / 120)
     assert report["best_backend"] == "dynamic/triton+compile" and report["speedup_vs_bf16"] == pytest.approx(1.25)
+
+
+@pytest.mark.parametrize("length", ["0", "1", "-5"])
+def test_a_first_seq_below_two_is_refused_before_anything_runs(length, tmp_path, capsys, monkeypatch):
+    """--first-seq 0 used to be ignored and a negative one failed inside torch: one line, exit status 2, no file."""
+    import sys
+
+    from evals import bench_fp8_lora
+
+    out = tmp_path / "fp8_lora.json"
+    monkeypatch.setattr(sys, "argv", ["bench_fp8_lora.py", "--first-seq", length, "--out", str(out)])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_fp8_lora.main()
+    assert exit_info.value.code == 2
+    assert f"--first-seq {length}: give a length of 2 or more" in capsys.readouterr().err
+    assert not out.exists()

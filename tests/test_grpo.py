@@ -798,7 +798,8 @@ def test_batch_rounded_to_a_multiple_pads_on_the_left_and_scores_the_same(tiny_f
     extra = rounded["input_ids"].shape[1] - plain["input_ids"].shape[1]
     assert rounded["input_ids"].shape[1] % 8 == 0 and 0 <= extra < 8
     assert plain["input_ids"].shape[1] % 8 != 0  # else this test checks nothing
-    assert (rounded["attention_mask"][:, :extra] == 0).all() and (rounded["input_ids"][:, :extra] == tok.pad_token_id).all()
+    assert (rounded["attention_mask"][:, :extra] == 0).all()
+    assert (rounded["input_ids"][:, :extra] == tok.pad_token_id).all()
     for key in ("input_ids", "attention_mask", "position_ids"):
         assert torch.equal(rounded[key][:, extra:], plain[key]), key
     for key in ("completion_ids", "mask", "rollout_logp"):
