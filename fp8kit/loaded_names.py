@@ -31,14 +31,15 @@ def key_renamer(model: torch.nn.Module) -> Callable[[str], str]:
         return lambda name: name
     meta = dict.fromkeys(model.state_dict(), True)  # decides whether the base model's prefix is added or stripped
     converters: list[WeightConverter] = []
+    prefix = model.base_model_prefix  # not the model: the vLLM engine keeps this function, and it would keep the model
 
     def rename(name: str) -> str:
-        renamed = rename_source_key(name, conversions, converters, model.base_model_prefix, meta)[0]
+        renamed = rename_source_key(name, conversions, converters, prefix, meta)[0]
         module, _, leaf = name.rpartition(".")
         if renamed == name and module and leaf != "weight":
             # a tensor the model does not have (weight_scale, input_scale) takes its module's weight's renaming: the
             # base model's prefix is added or stripped only for names the model has
-            weight = rename_source_key(f"{module}.weight", conversions, converters, model.base_model_prefix, meta)[0]
+            weight = rename_source_key(f"{module}.weight", conversions, converters, prefix, meta)[0]
             if weight != f"{module}.weight":
                 return f"{weight.removesuffix('.weight')}.{leaf}"
         return renamed

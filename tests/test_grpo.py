@@ -1264,6 +1264,43 @@ def test_compiled_layers_compile_once_for_batches_of_every_width(tmp_path, monke
         assert seen == graphs, (dynamic_length, dict(counters["stats"]))
 
 
+def test_a_batch_without_padding_reuses_the_padded_batches_compiled_graph(tiny_fp8, monkeypatch):
+    """transformers gives the layers no mask for a batch with no padding (sdpa's is_causal), a graph of its own: the
+    trainer's rounded batches always carry padding, so a step whose rows are all full compiles nothing more, and
+    scores as the unpadded batch does."""
+    from torch._dynamo.utils import counters
+
+    from fp8kit.rl import regional_compile
+    from fp8kit.rl.grpo import _batch, completion_logprobs
+    from fp8kit.rl.rollout import Completion
+
+    monkeypatch.setattr(regional_compile, "_compiled_call",
+                        lambda: torch.compile(regional_compile._call_layer, backend="aot_eager"))
+    model, tok = load_model(str(tiny_fp8), lora_rank=4, dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 500, (5,), generator=gen).tolist()
+    ids = torch.randint(3, 500, (2, 11), generator=gen).tolist()
+    padded = _batch([prompt], [Completion(ids[0][:7], [-1.0] * 7), Completion(ids[1][:3], [-1.0] * 3)], 2,
+                    tok.pad_token_id, torch.device("cpu"), multiple=8)
+    rows = [Completion(ids[0], [-1.0] * 11), Completion(ids[1], [-1.0] * 11)]  # 5 + 11 = 16: nothing to round
+    full = _batch([prompt], rows, 2, tok.pad_token_id, torch.device("cpu"), multiple=8)
+    plain = _batch([prompt], rows, 2, tok.pad_token_id, torch.device("cpu"))
+    assert bool(plain["attention_mask"].all())  # else this test checks nothing
+    assert full["input_ids"].shape[1] == 24 and not bool(full["attention_mask"].all())
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    with torch.no_grad(), regional_compile.compiled_decoder_layers(model):
+        completion_logprobs(model, padded, slice(0, 2), 1.0)
+        graphs.append(counters["stats"]["unique_graphs"])
+        got = completion_logprobs(model, full, slice(0, 2), 1.0)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] == graphs[0], (graphs, dict(counters["stats"]))
+    with torch.no_grad():
+        want = completion_logprobs(model, plain, slice(0, 2), 1.0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_torch_compile_needs_decoder_layers_and_a_recent_torch(tiny_fp8, monkeypatch):
     """Refused before the first rollout, one line each."""
     from fp8kit.rl import regional_compile

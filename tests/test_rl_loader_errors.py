@@ -529,6 +529,86 @@ def test_a_second_vllm_engine_in_the_process_is_refused_before_any_conversion(mo
     assert not converted
 
 
+def test_unload_model_shuts_the_engine_down_and_frees_the_models_tensors(monkeypatch, fp8_dir):
+    """vLLM freezes its engine out of the garbage collector's reach, so `del model` freed none of its memory. Here an
+    engine as load_model leaves it, its LLM a stand-in that records its shutdown, and vLLM's LoRA kernels' pointer
+    cache holding a buffer (test_gpu_grpo.py runs the real engine): unload_model shuts the engine down, empties the
+    cache, and drops every tensor of the model though another reference to it is kept; both refuse work after."""
+    import gc
+    import sys
+    import types
+    import weakref
+
+    from fp8kit.rl import unload_model
+    from fp8kit.rl.grpo import train
+    from fp8kit.rl.vllm_engine import VLLMRollout
+
+    shut = []
+    lora_ops = types.ModuleType("vllm.lora.ops.triton_ops.utils")
+    lora_ops._LORA_A_PTR_DICT = {(1, 2): (torch.zeros(4),)}
+    lora_ops._LORA_B_PTR_DICT = {(3,): (torch.zeros(4),)}
+    monkeypatch.setitem(sys.modules, lora_ops.__name__, lora_ops)
+    model = load_fp8_model(fp8_dir, dtype=torch.float32, lora_rank=4)
+    engine = VLLMRollout.__new__(VLLMRollout)
+    core = types.SimpleNamespace(shutdown=lambda: shut.append("engine core"))
+    engine.llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=core))
+    engine.path, engine.asleep, engine.runner, engine.vllm_model = Path("tiny"), False, object(), object()
+    engine._manager = engine.lora_request = None
+    model.rollout_engine = engine
+    held = model  # another reference, as a notebook's Out[] keeps one
+    tensors = [weakref.ref(t) for t in [*model.parameters(), *model.buffers()]]
+    unload_model(model)
+    del model
+    gc.collect()
+    assert shut == ["engine core"] and engine.llm is None and engine.vllm_model is None
+    assert lora_ops._LORA_A_PTR_DICT == {} and lora_ops._LORA_B_PTR_DICT == {}
+    assert all(r() is None for r in tensors)  # nothing kept a tensor of the model, nor a view of one
+    assert all(t.is_meta for t in [*held.parameters(), *held.buffers()])
+    unload_model(held)  # again: nothing left to do
+    assert shut == ["engine core"]
+    with pytest.raises(Fp8kitError) as e:
+        train(held, None, ["the quick"], [lambda completions, **_: [0.0] * len(completions)])
+    _one_line(e, "model: freed by unload_model; train a model from load_model")
+    with pytest.raises(Fp8kitError) as e:
+        engine.generate([[1, 2]], 2, 4)
+    _one_line(e, "the vLLM engine for tiny was shut down (unload_model); vLLM runs one engine per process")
+    with pytest.raises(Fp8kitError) as e:
+        unload_model("model")
+    _one_line(e, "unload_model('model'): expected a model from load_model")
+
+
+def test_an_engine_whose_training_model_fails_is_shut_down(monkeypatch, fp8_dir, tmp_path):
+    """An error while the trainer is assembled on the engine's weights left the engine running, unreachable, with
+    its memory: load_model shuts it down before the error reaches the caller."""
+    import fp8kit.rl.model as rl_model
+    from fp8kit.models import add_tokenizer
+    from fp8kit.rl import vllm_engine
+
+    local = tmp_path / "tiny"
+    shutil.copytree(fp8_dir, local)
+    add_tokenizer(local, "the quick brown fox jumps over the lazy dog " * 20, vocab_size=300)
+    events = []
+
+    class Engine:  # VLLMRollout's part load_model uses, without a GPU
+        def __init__(self, path, **kwargs):
+            events.append("started")
+
+        def training_model(self, *args, **kwargs):
+            raise Fp8kitError("vLLM has no LoRA slot for 1 of the model's LoRA modules")
+
+        def close(self):
+            events.append("closed")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(rl_model, "_vllm_available", lambda: True)
+    monkeypatch.setattr(rl_model, "_check_vllm_model", lambda *a: None)
+    monkeypatch.setattr(vllm_engine, "VLLMRollout", Engine)
+    with pytest.raises(Fp8kitError, match="no LoRA slot"):
+        rl_model.load_model(str(local), device="cuda", lora_rank=8)
+    assert events == ["started", "closed"]
+
+
 def test_local_model_path_is_stored_expanded_and_absolute(fp8_dir, tmp_path, monkeypatch):
     """load_model('~/x') named the base '~/x' in saved adapters, a path peft cannot open."""
     from fp8kit.models import add_tokenizer

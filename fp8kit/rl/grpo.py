@@ -219,10 +219,14 @@ def _batch(prompt_ids: list[list[int]], completions: list[Completion], n: int, p
            multiple: int = 1):
     """Left-padded prompts then right-padded completions: [N, P + T] ids, attention mask, positions, plus the
     [N, T] completion ids, mask and rollout log-probabilities. P + T is rounded up to a `multiple` by padding more
-    on the left."""
+    on the left, and with a `multiple` above 1 (compiled layers) a batch that would have no padding at all gets
+    `multiple` columns of it: transformers passes the layers no mask for an all-ones one (sdpa's is_causal instead),
+    a graph of its own that cost the compiled trainer another compile after padded batches."""
     rows = [p for p in prompt_ids for _ in range(n)]
     width, length = max(len(p) for p in rows), max(1, max(len(c.token_ids) for c in completions))
     width += -(width + length) % multiple
+    if multiple > 1 and all(len(p) == width and len(c.token_ids) == length for p, c in zip(rows, completions)):
+        width += multiple
     ids = torch.full((len(rows), width + length), pad_id, dtype=torch.long)
     attention = torch.zeros_like(ids)
     rollout_logp = torch.zeros((len(rows), length))
@@ -500,6 +504,9 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     config = _config(config)
     if not isinstance(model, nn.Module):
         raise Fp8kitError(f"model={_short_repr(model, 40)}: expected the model load_model returned")
+    if getattr(model, "unloaded", False):  # its tensors are on the meta device: the losses would be meta tensors
+        raise Fp8kitError("model: freed by unload_model; train a model from load_model (with vLLM rollouts, in a new "
+                          "Python process)")
     if not callable(tokenizer):
         raise Fp8kitError(f"tokenizer={_short_repr(tokenizer, 40)}: expected the tokenizer load_model returned")
     missing = [m for m in ROLLOUT_METHODS if rollout is not None and not callable(getattr(rollout, m, None))]

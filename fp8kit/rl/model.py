@@ -3,6 +3,7 @@ rollout engine attached (vLLM sharing the policy's weights on a GPU, transformer
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -102,7 +103,11 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
         engine = VLLMRollout(path, dtype=dtype, max_seq_length=max_seq_length,
                              gpu_memory_utilization=gpu_memory_utilization, lora_rank=lora_rank,
                              target_modules=target_modules, **(vllm_kwargs or {}))
-        model = engine.training_model(scheme, dtype, backend=backend, seed=seed, **lora)
+        try:
+            model = engine.training_model(scheme, dtype, backend=backend, seed=seed, **lora)
+        except BaseException:
+            engine.close()  # else it holds the GPU, unreachable, and the next load_model is refused
+            raise
     else:
         if scheme:
             model = load_fp8_model(path, dtype, device=device, backend=backend, seed=seed, **lora)
@@ -114,6 +119,24 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
     # saved adapters name their base by it: peft opens neither '~' nor a relative path
     model.name_or_path = str(local.resolve()) if local.is_dir() else str(name)
     return model, tokenizer
+
+
+def unload_model(model: torch.nn.Module) -> None:
+    """Free the device memory load_model took, for other work in this process (evaluating the adapter with another
+    tool, a model loaded with fast_inference=False). `del model` frees none of vLLM's: its engine freezes its objects
+    out of the garbage collector's reach (gc.freeze) until it is shut down. Here the engine is shut down and the
+    model's tensors, views of vLLM's weights, are dropped, whatever else still references the model: it is unusable
+    afterwards. vLLM still runs one engine per process: another model with vLLM rollouts needs a new process."""
+    if not isinstance(model, torch.nn.Module):
+        raise Fp8kitError(f"unload_model({_short_repr(model, 60)}): expected a model from load_model")
+    engine = getattr(model, "rollout_engine", None)
+    if hasattr(engine, "close"):
+        engine.close()
+    model.to("meta")
+    model.unloaded = True
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _check_vllm_model(config, path: Path, dtype: torch.dtype, max_seq_length: int, vllm_kwargs: dict | None) -> None:

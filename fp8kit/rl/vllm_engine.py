@@ -25,6 +25,7 @@ at its recorded virtual addresses (device_allocator/cumem.py maps each handle th
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -163,10 +164,39 @@ def check_rollout_arguments(dtype: torch.dtype, lora_rank: int) -> None:
                           f"pick one of them (or fast_inference=False)")
 
 
+def clear_lora_pointer_caches() -> None:
+    """vLLM's Triton LoRA kernels cache, per process, the adapter buffers they were called with, keyed by their
+    addresses (vllm/lora/ops/triton_ops/utils.py _LORA_A_PTR_DICT, _LORA_B_PTR_DICT; the fp8 and MoE variants
+    alike), and an engine's shutdown leaves them: the LoRA buffers of every layer stayed on the GPU after it."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm.lora.ops.") and module is not None:
+            for attr, value in vars(module).items():
+                if attr.endswith("_PTR_DICT") and isinstance(value, dict):
+                    value.clear()
+
+
+# modules vLLM first imports while it loads weights under `with torch.device("cuda")`: their import-time tensors
+# (FlashInfer's FP4 lookup table, ...) are made on the GPU, in the engine's weight pool, and outlive it. Imported
+# before the engine starts they are made on the CPU, as their authors meant: on an H100, 32 MiB stayed allocated
+# after unload_model instead of 98.
+EARLY_IMPORTS = ("flashinfer.quantization.fp4_quantization",)
+
+
+def import_early() -> None:
+    import importlib
+
+    for name in EARLY_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - not installed, or not importable here: vLLM will not import it either
+            pass
+
+
 def check_no_live_engine() -> None:
     """vLLM's sleep-mode allocator serves one engine per process (vllm/v1/worker/gpu_worker.py asserts its pool is
     empty as the weights load), and the engine of an earlier load_model keeps its memory while its model lives: a
-    second load_model with vLLM (a notebook cell run again) failed with vLLM's AssertionError, after any conversion."""
+    second load_model with vLLM (a notebook cell run again) failed with vLLM's AssertionError, after any conversion.
+    unload_model does not lift this: on an H100 a shut-down engine's pool kept 32 MiB that no Python object held."""
     cumem = sys.modules.get("vllm.device_allocator.cumem")  # not imported: no engine has started here
     allocator = getattr(getattr(cumem, "CuMemAllocator", None), "instance", None)
     if allocator is not None and allocator.get_current_usage():
@@ -361,6 +391,7 @@ class VLLMRollout:
         from fp8kit.rl.loader import DEFAULT_TARGETS
 
         set_engine_environment()
+        import_early()
         kwargs = rollout_llm_kwargs(path, dtype, max_seq_length, gpu_memory_utilization, lora_rank, target_modules,
                                     engine_kwargs)
         from vllm import LLM
@@ -434,6 +465,7 @@ class VLLMRollout:
         keeps its id (and vLLM its cache key, lora/cache_identity.py), so vLLM's prefix cache would still serve
         prompts' KV computed under the old weights: the GRPO loop calls this between sleep() (which resets the
         prefix cache) and wake(); called while awake (train()'s first sync, user code) it resets the cache itself."""
+        self._check_open()
         if self.lora_request is None:
             return
         from fp8kit.rl.loader import lora_modules
@@ -464,6 +496,26 @@ class VLLMRollout:
         if not self.asleep:
             self.llm.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Shut the engine down and let go of its weights and KV cache (unload_model). The memory returns once
+        nothing else holds a view of the weights: the training model's tensors are such views."""
+        if self.llm is None:
+            return
+        self.wake()  # freeing an allocation unmaps it: the KV cache's must be mapped again first
+        # EngineCore.shutdown: the executor and scheduler shut down, gc.unfreeze() (its start's gc.freeze() kept
+        # the engine's reference cycles, and their GPU memory, from ever being collected), its process group torn
+        # down (vllm/v1/engine/core.py; vllm/distributed/parallel_state.py cleanup_dist_env_and_memory)
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = self.runner = self.vllm_model = self._manager = self.lora_request = None
+        clear_lora_pointer_caches()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.llm is None:
+            raise Fp8kitError(f"the vLLM engine for {self.path} was shut down (unload_model); vLLM runs one engine "
+                              f"per process: start a new Python process to sample from it again")
+
     def sleep(self) -> None:
         """Release the KV cache for training; the weights stay where they are. vLLM's level-1 sleep copies every
         weight allocation to pinned host memory and unmaps it (device_allocator/cumem.py CuMemAllocator.sleep, the
@@ -473,6 +525,7 @@ class VLLMRollout:
         does), so only those are released; the executor then counts the weights as awake."""
         if self.asleep:
             return
+        self._check_open()
         from vllm.device_allocator.cumem import CuMemAllocator
 
         allocator = CuMemAllocator.get_instance()
@@ -494,6 +547,7 @@ class VLLMRollout:
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int = 0) -> list[Completion]:
+        self._check_open()
         self.wake()
         params = rollout_sampling_params(len(prompt_ids), n, max_tokens, temperature, top_p, seed)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, lora_request=self.lora_request,
