@@ -13,10 +13,10 @@ transformers' generate would recompile for each decode length.
 The sequence length is dynamic from the first compile: GRPO's batches change width from step to step, and dynamo
 would otherwise compile a static graph first and compile again, with a dynamic length, at the first change. Compiling
 the layers' graphs took 18.6-23.8 s of a step's training phase in an 8B run on an H100
-(grpo_gpu_h100_8b_compile_traced_quant.json). Batches with and without padding still compile a graph each, once:
-transformers gives the layers an attention mask only where there is padding. With a mask, Inductor's CUDA attention
-also guards on the length being a multiple of 8, so the trainer rounds its widths up to one (grpo._batch): a toy run
-on an H100 then compiled in its first step only, against steps 1, 3 and 4 unrounded
+(grpo_gpu_h100_8b_compile_traced_quant.json). Batches with and without padding compile a graph each: transformers
+gives the layers an attention mask only where there is padding. With a mask, Inductor's CUDA attention also guards on
+the length being a multiple of 8. So the trainer rounds its widths up to one and pads a batch that has no padding
+(grpo._batch): a toy run on an H100 then compiled in its first step only, against steps 1, 3 and 4 unrounded
 (grpo_toy_h100_compile_dynamic_length.json).
 
 Inductor keeps the roundings to the model dtype between the ops it fuses (emulate_precision_casts), as the runtime's
