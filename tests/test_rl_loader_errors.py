@@ -504,12 +504,14 @@ def test_vllm_arguments_are_refused_before_any_conversion(monkeypatch, llama_dir
 
 
 def test_a_second_vllm_engine_in_the_process_is_refused_before_any_conversion(monkeypatch, llama_dir):
-    """vLLM's sleep-mode allocator serves one engine per process: with an earlier engine's memory still in its pool
-    (made here: the allocator module as vLLM leaves it), load_model is refused before converting anything."""
+    """vLLM's sleep-mode allocator serves one engine per process at a time: with an earlier engine's memory in its pool
+    (made here: the allocator module as vLLM leaves it), load_model is refused before converting anything, and the
+    message says what frees it: unload_model while that engine is open, a restart for what no open engine owns."""
     import sys
     import types
 
     import fp8kit.rl.model as rl_model
+    from fp8kit.rl import vllm_engine
 
     converted = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -519,14 +521,40 @@ def test_a_second_vllm_engine_in_the_process_is_refused_before_any_conversion(mo
     pool = types.SimpleNamespace(get_current_usage=lambda: 3 << 30)
     cumem = types.SimpleNamespace(CuMemAllocator=types.SimpleNamespace(instance=pool))
     monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
+    monkeypatch.setattr(vllm_engine, "OPEN_ENGINES", {1})
     with pytest.raises(Fp8kitError) as e:
         rl_model.load_model(str(llama_dir), device="cuda", lora_rank=8)
     _one_line(e, "a vLLM engine of an earlier load_model holds 3.0 GiB in this process, and vLLM runs one engine "
-                 "per process; restart Python")
+                 "per process at a time: call fp8kit.rl.unload_model on that model first")
+    vllm_engine.OPEN_ENGINES.clear()  # what an engine shut down left (34 MiB on an H100 before initialize_early)
+    pool.get_current_usage = lambda: 34 << 20
+    with pytest.raises(Fp8kitError) as e:
+        rl_model.load_model(str(llama_dir), device="cuda", lora_rank=8)
+    _one_line(e, "vLLM's memory pool holds 34 MiB that no open engine owns")
+    assert "restart Python" in str(e.value)
     pool.get_current_usage = lambda: 0  # its memory released: not refused for it (this folder has no tokenizer)
     with pytest.raises(Fp8kitError, match="no tokenizer files"):
         rl_model.load_model(str(llama_dir), device="cuda", lora_rank=8)
     assert not converted
+
+
+def test_deepgemm_is_initialized_before_the_engine_for_quantized_checkpoints_only(monkeypatch):
+    """vLLM initializes DeepGEMM's runtime as it builds its first FP8 layer, inside the engine's weight pool, where its
+    32 MiB outlived the engine and refused the next one (evals/engine_unload.py); fp8kit initializes it first."""
+    import sys
+    import types
+
+    from fp8kit.rl.vllm_engine import initialize_early
+
+    calls = []
+    deep_gemm = types.ModuleType("vllm.utils.deep_gemm")
+    deep_gemm.is_deep_gemm_e8m0_used = lambda: calls.append("init") or False
+    monkeypatch.setitem(sys.modules, "vllm.utils.deep_gemm", deep_gemm)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    initialize_early(quantized=False)
+    assert calls == []
+    initialize_early(quantized=True)
+    assert calls == ["init"]
 
 
 def test_unload_model_shuts_the_engine_down_and_frees_the_models_tensors(monkeypatch, fp8_dir):
@@ -571,7 +599,7 @@ def test_unload_model_shuts_the_engine_down_and_frees_the_models_tensors(monkeyp
     _one_line(e, "model: freed by unload_model; train a model from load_model")
     with pytest.raises(Fp8kitError) as e:
         engine.generate([[1, 2]], 2, 4)
-    _one_line(e, "the vLLM engine for tiny was shut down (unload_model); vLLM runs one engine per process")
+    _one_line(e, "the vLLM engine for tiny was shut down (unload_model): load the model again with load_model")
     with pytest.raises(Fp8kitError) as e:
         unload_model("model")
     _one_line(e, "unload_model('model'): expected a model from load_model")

@@ -126,7 +126,7 @@ def unload_model(model: torch.nn.Module) -> None:
     tool, a model loaded with fast_inference=False). `del model` frees none of vLLM's: its engine freezes its objects
     out of the garbage collector's reach (gc.freeze) until it is shut down. Here the engine is shut down and the
     model's tensors, views of vLLM's weights, are dropped, whatever else still references the model: it is unusable
-    afterwards. vLLM still runs one engine per process: another model with vLLM rollouts needs a new process."""
+    afterwards. vLLM's pool is left empty: the next load_model with vLLM rollouts starts an engine in this process."""
     if not isinstance(model, torch.nn.Module):
         raise Fp8kitError(f"unload_model({_short_repr(model, 60)}): expected a model from load_model")
     engine = getattr(model, "rollout_engine", None)

@@ -177,12 +177,17 @@ def clear_lora_pointer_caches() -> None:
 
 # modules vLLM first imports while it loads weights under `with torch.device("cuda")`: their import-time tensors
 # (FlashInfer's FP4 lookup table, ...) are made on the GPU, in the engine's weight pool, and outlive it. Imported
-# before the engine starts they are made on the CPU, as their authors meant: on an H100, 32 MiB stayed allocated
-# after unload_model instead of 98.
+# before the engine starts they are made on the CPU, as their authors meant.
 EARLY_IMPORTS = ("flashinfer.quantization.fp4_quantization",)
 
 
-def import_early() -> None:
+def initialize_early(quantized: bool) -> None:
+    """What vLLM would first make inside its engine's weight pool and keep after the engine's shutdown, made before
+    it starts: vLLM asserts that pool empty as a new engine loads its weights, so one such allocation refused every
+    later engine in the process. Besides EARLY_IMPORTS, DeepGEMM's runtime: vLLM initializes it as it builds its
+    first FP8 layer (vllm/utils/deep_gemm.py _lazy_init, from is_deep_gemm_e8m0_used), and its set_pdl allocated
+    32 MiB there on an H100 (evals/engine_unload.py); initialized here it lands in torch's own pool. A BF16 model's
+    engine left the pool empty without it (the bf16 variant there), so only quantized checkpoints initialize it."""
     import importlib
 
     for name in EARLY_IMPORTS:
@@ -190,19 +195,35 @@ def import_early() -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - not installed, or not importable here: vLLM will not import it either
             pass
+    if quantized and torch.cuda.is_available():
+        try:
+            from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+        except ImportError:  # another vLLM: it fails, if at all, where the engine imports it
+            return
+        is_deep_gemm_e8m0_used()  # cached; set_engine_environment has set VLLM_USE_DEEP_GEMM_E8M0 already
+
+
+OPEN_ENGINES: set[int] = set()  # id() of each VLLMRollout whose engine started in this process and is not shut down
 
 
 def check_no_live_engine() -> None:
-    """vLLM's sleep-mode allocator serves one engine per process (vllm/v1/worker/gpu_worker.py asserts its pool is
-    empty as the weights load), and the engine of an earlier load_model keeps its memory while its model lives: a
-    second load_model with vLLM (a notebook cell run again) failed with vLLM's AssertionError, after any conversion.
-    unload_model does not lift this: on an H100 a shut-down engine's pool kept 32 MiB that no Python object held."""
+    """vLLM's sleep-mode allocator serves one engine per process at a time (vllm/v1/worker/gpu_worker.py asserts its
+    pool is empty as the weights load), and the engine of an earlier load_model keeps its memory while its model
+    lives: a second load_model with vLLM (a notebook cell run again) failed with vLLM's AssertionError, after any
+    conversion. unload_model empties the pool (initialize_early); what no open engine owns only a restart frees."""
     cumem = sys.modules.get("vllm.device_allocator.cumem")  # not imported: no engine has started here
     allocator = getattr(getattr(cumem, "CuMemAllocator", None), "instance", None)
-    if allocator is not None and allocator.get_current_usage():
-        raise Fp8kitError(f"a vLLM engine of an earlier load_model holds {allocator.get_current_usage() / 2**30:.1f} "
-                          f"GiB in this process, and vLLM runs one engine per process; restart Python to load "
-                          f"another model with vLLM rollouts, or pass fast_inference=False")
+    held = allocator.get_current_usage() if allocator is not None else 0
+    if not held:
+        return
+    size = f"{held / 2**30:.1f} GiB" if held >= 2**30 else f"{held / 2**20:.0f} MiB"
+    if OPEN_ENGINES:
+        raise Fp8kitError(f"a vLLM engine of an earlier load_model holds {size} in this process, and vLLM runs one "
+                          f"engine per process at a time: call fp8kit.rl.unload_model on that model first, or pass "
+                          f"fast_inference=False")
+    raise Fp8kitError(f"vLLM's memory pool holds {size} that no open engine owns (one that failed to start, or what "
+                      f"a shut-down engine left), and vLLM starts an engine only on an empty pool: restart Python to "
+                      f"load a model with vLLM rollouts, or pass fast_inference=False")
 
 
 # vLLM 0.25 refuses float16 for these model types (vllm/config/model.py, _FLOAT16_NOT_SUPPORTED_MODELS: "Numerical
@@ -278,6 +299,11 @@ def check_rollout_model(config, path: Path, dtype: torch.dtype, max_seq_length: 
                           f"max_seq_length={int(longest)} or less")
 
 
+def quantization_config(path: str | Path) -> dict:
+    config_file = Path(path) / "config.json"
+    return (json.loads(config_file.read_text()).get("quantization_config") or {}) if config_file.exists() else {}
+
+
 def rollout_llm_kwargs(path: str | Path, dtype: torch.dtype, max_seq_length: int, gpu_memory_utilization: float,
                        lora_rank: int, target_modules, engine_kwargs: dict) -> dict:
     """Every argument the rollout engine's vllm.LLM gets besides the path, the input checked first."""
@@ -285,8 +311,7 @@ def rollout_llm_kwargs(path: str | Path, dtype: torch.dtype, max_seq_length: int
 
     check_rollout_arguments(dtype, lora_rank)
     check_engine_kwargs(engine_kwargs)
-    config_file = Path(path) / "config.json"
-    qc = (json.loads(config_file.read_text()).get("quantization_config") or {}) if config_file.exists() else {}
+    qc = quantization_config(path)
     if any("lm_head" in g.get("targets", ()) for g in qc.get("config_groups", {}).values()):
         raise Fp8kitError(f"{path}: lm_head is FP8 (converted with --lm-head); the trainer shares vLLM's lm_head "
                           f"in source precision only: convert without --lm-head for GRPO")
@@ -391,15 +416,16 @@ class VLLMRollout:
         from fp8kit.rl.loader import DEFAULT_TARGETS
 
         set_engine_environment()
-        import_early()
         kwargs = rollout_llm_kwargs(path, dtype, max_seq_length, gpu_memory_utilization, lora_rank, target_modules,
                                     engine_kwargs)
+        initialize_early(quantized=bool(quantization_config(path)))
         from vllm import LLM
 
         self.path = Path(path)
         self.lora_rank = lora_rank
         self.target_modules = list(target_modules or DEFAULT_TARGETS)
         self.llm = LLM(str(path), **kwargs)
+        OPEN_ENGINES.add(id(self))
         worker = self.llm.llm_engine.model_executor.driver_worker.worker
         self.runner = worker.model_runner
         self.vllm_model = worker.get_model()
@@ -502,10 +528,16 @@ class VLLMRollout:
         if self.llm is None:
             return
         self.wake()  # freeing an allocation unmaps it: the KV cache's must be mapped again first
+        # cuBLAS keeps a workspace per handle and stream (32 MiB on Hopper; aten/src/ATen/cuda/CublasHandlePool.cpp):
+        # 66 MiB of them stayed allocated after unload_model on an H100 (evals/engine_unload.py). The next GEMM on a
+        # stream makes its workspace anew
+        if torch.cuda.is_available():
+            torch._C._cuda_clearCublasWorkspaces()
         # EngineCore.shutdown: the executor and scheduler shut down, gc.unfreeze() (its start's gc.freeze() kept
         # the engine's reference cycles, and their GPU memory, from ever being collected), its process group torn
         # down (vllm/v1/engine/core.py; vllm/distributed/parallel_state.py cleanup_dist_env_and_memory)
         self.llm.llm_engine.engine_core.shutdown()
+        OPEN_ENGINES.discard(id(self))
         self.llm = self.runner = self.vllm_model = self._manager = self.lora_request = None
         clear_lora_pointer_caches()
         gc.collect()
@@ -513,8 +545,8 @@ class VLLMRollout:
 
     def _check_open(self) -> None:
         if self.llm is None:
-            raise Fp8kitError(f"the vLLM engine for {self.path} was shut down (unload_model); vLLM runs one engine "
-                              f"per process: start a new Python process to sample from it again")
+            raise Fp8kitError(f"the vLLM engine for {self.path} was shut down (unload_model): load the model again "
+                              f"with load_model to sample from it")
 
     def sleep(self) -> None:
         """Release the KV cache for training; the weights stay where they are. vLLM's level-1 sleep copies every
