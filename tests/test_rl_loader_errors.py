@@ -597,9 +597,10 @@ def test_unload_model_shuts_the_engine_down_and_frees_the_models_tensors(monkeyp
     with pytest.raises(Fp8kitError) as e:
         train(held, None, ["the quick"], [lambda completions, **_: [0.0] * len(completions)])
     _one_line(e, "model: freed by unload_model; train a model from load_model")
-    with pytest.raises(Fp8kitError) as e:
-        engine.generate([[1, 2]], 2, 4)
-    _one_line(e, "the vLLM engine for tiny was shut down (unload_model): load the model again with load_model")
+    for call in (lambda: engine.generate([[1, 2]], 2, 4), engine.sleep, lambda: engine.sync_lora(held)):
+        with pytest.raises(Fp8kitError) as e:
+            call()
+        _one_line(e, "the vLLM engine for tiny was shut down (unload_model): load the model again with load_model")
     with pytest.raises(Fp8kitError) as e:
         unload_model("model")
     _one_line(e, "unload_model('model'): expected a model from load_model")

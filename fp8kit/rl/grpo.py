@@ -505,8 +505,8 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     if not isinstance(model, nn.Module):
         raise Fp8kitError(f"model={_short_repr(model, 40)}: expected the model load_model returned")
     if getattr(model, "unloaded", False):  # its tensors are on the meta device: the losses would be meta tensors
-        raise Fp8kitError("model: freed by unload_model; train a model from load_model (with vLLM rollouts, in a new "
-                          "Python process)")
+        raise Fp8kitError("model: freed by unload_model; train a model from load_model (call it again to reload "
+                          "this one)")
     if not callable(tokenizer):
         raise Fp8kitError(f"tokenizer={_short_repr(tokenizer, 40)}: expected the tokenizer load_model returned")
     missing = [m for m in ROLLOUT_METHODS if rollout is not None and not callable(getattr(rollout, m, None))]
