@@ -101,7 +101,7 @@ def test_block_model_with_source_precision_mlp_trains_lora_there_with_vllm(tmp_p
     # anything is converted or started
     from fp8kit.errors import Fp8kitError
 
-    with pytest.raises(Fp8kitError, match=r"GiB in this process, and vLLM runs one engine per process at a time: call "
+    with pytest.raises(Fp8kitError, match=r"[0-9.]+ [MG]iB in this process, and vLLM runs one engine per process at a time: call "
                                           r"fp8kit.rl.unload_model"):
         load_model(tmp_path / "block", load_in_fp8="block", max_seq_length=64, lora_rank=8)
 
