@@ -45,8 +45,9 @@ def _ignore_interrupts() -> None:
     and with another status than the work's."""
     import signal
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 class _Interruptible:

@@ -89,6 +89,10 @@ def load_model(src: Path, **kwargs) -> torch.nn.Module:
     from fp8kit.errors import Fp8kitError
 
     config = transformers.AutoConfig.from_pretrained(src, trust_remote_code=False)
+    # its loading bar and load report went to the converter's stderr, around our one line (fp8-convert --kv-cache)
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     try:
         return _first_that_takes(config, lambda cls: cls.from_pretrained(src, config=config, use_safetensors=True,
                                                                          **kwargs))
@@ -98,6 +102,10 @@ def load_model(src: Path, **kwargs) -> torch.nn.Module:
         raise Fp8kitError(f"{src}: transformers loads safetensors weights only as model.safetensors or as the shards "
                           f"model.safetensors.index.json lists, and finds neither (pickle files are never read); "
                           f"rename the file or add the index") from e
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.logging.enable_progress_bar()
 
 
 def loaded_names(src: Path, modules: list[str]) -> dict[str, str]:

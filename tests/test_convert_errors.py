@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from fp8kit.cli import fp8_convert
 from fp8kit.errors import Fp8kitError
-from fp8kit.models import build_checkpoint
+from fp8kit.models import add_tokenizer, build_checkpoint
 
 
 def run_cli(*args):
@@ -117,6 +117,10 @@ def test_nan_in_weight(src, tmp_path):
     tensors["model.norm.weight"][0] = float("inf")  # kept tensors are checked too
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     assert_clean_failure(*run_cli(src, out, "--scheme", "tensor"), out, "model.norm.weight", "Inf")
+    # --kv-cache runs the model first: its keys reached Inf, blamed on the activations ("convert a bfloat16 copy")
+    add_tokenizer(src, "the quick brown fox jumps over the lazy dog " * 20, vocab_size=300)
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic", "--kv-cache", "fp8"), out, "model.norm.weight",
+                         "contains NaN or Inf; fix the source weights")
 
 
 def test_unsupported_dtype(src, tmp_path):
@@ -155,6 +159,22 @@ def test_existing_out_needs_overwrite(llama_dir, tmp_path):
     code, err = run_cli(llama_dir, out, "--scheme", "dynamic", "--overwrite")
     assert code == 0, err
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("out", ["", ".", "..", "home"])
+def test_overwrite_never_replaces_the_working_or_home_directory(llama_dir, tmp_path, monkeypatch, out):
+    """An empty OUT resolved to the current directory, and --overwrite replaced it (the user's files with it)."""
+    here = tmp_path / "work" / "here"
+    here.mkdir(parents=True)
+    (here / "mine.txt").write_text("mine")
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("HOME", str(tmp_path / "work"))
+    code, err = run_cli(llama_dir, "~" if out == "home" else out, "--scheme", "dynamic", "--overwrite")
+    expected = {"": "OUT is empty; name the directory", ".": "is the current directory, which --overwrite would "
+                "delete", "..": "is your home directory", "home": "is your home directory"}[out]
+    assert code != 0 and expected in err and err.count("\n") == 1, err
+    assert (here / "mine.txt").read_text() == "mine" and sorted(p.name for p in here.iterdir()) == ["mine.txt"]
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["here"]
 
 
 def test_bad_options(llama_dir, tmp_path):
@@ -317,7 +337,7 @@ def stop_mid_conversion(tmp_path, sig):
     return proc, err, out
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_interrupt_removes_partial_output(tmp_path, sig):
     proc, err, out = stop_mid_conversion(tmp_path, sig)
     assert proc.returncode == 130
@@ -435,7 +455,8 @@ def test_malformed_config_and_index(src, tmp_path):
 def test_empty_weights_are_kept_not_divided_by_zero(tmp_path):
     header = {"model.layers.0.mlp.up_proj.weight": {"dtype": "BF16", "shape": [128, 128], "data_offsets": [0, 32768]},
               "model.layers.0.mlp.down_proj.weight": {"dtype": "BF16", "shape": [128, 0], "data_offsets": [32768, 32768]}}
-    src = raw_checkpoint(tmp_path, header, b"\0" * 32768)
+    # a model_type transformers does not know: no architecture to check the two lone weights against
+    src = raw_checkpoint(tmp_path, header, b"\0" * 32768, model_type="fp8kit-test")
     for scheme in ("dynamic", "tensor"):
         code, err = run_cli(src, tmp_path / scheme, "--scheme", scheme)
         assert code == 0, err
@@ -753,3 +774,33 @@ def test_per_tensor_compressed_tensors_moe_is_refused_and_the_alternatives_conve
     assert code == 0, err
     ignore = json.loads((tmp_path / "dense-only" / "config.json").read_text())["quantization_config"]["ignore"]
     assert "model.layers.1.mlp.experts.3.down_proj" in ignore
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "tensor-static"])
+@pytest.mark.parametrize("broken", ["missing_weight", "config_wider", "config_deeper", "field_type"])
+def test_weights_that_do_not_fit_config_json_are_refused(llama_dir, tmp_path, scheme, broken):
+    """Converted as they stood, exit 0: a missing weight came out absent (vLLM cannot load it), or, through
+    transformers (tensor-static, --kv-cache), initialised at random and calibrated and written as the model's; a
+    config of other sizes gave an unloadable checkpoint, or transformers' 35-line load report."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "src"
+    shutil.copytree(llama_dir, src)
+    config = json.loads((src / "config.json").read_text())
+    if broken == "missing_weight":
+        tensors = load_file(src / "model.safetensors")
+        del tensors["model.layers.1.self_attn.k_proj.weight"]
+        save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+        needles = [f"{src}: lacks model.layers.1.self_attn.k_proj.weight, which config.json gives the model"]
+    elif broken == "config_wider":
+        config["intermediate_size"] *= 2
+        needles = ["model.layers.0.mlp.gate_proj.weight has shape", "the weights and config.json do not belong"]
+    elif broken == "config_deeper":
+        config["num_hidden_layers"] += 1
+        needles = [f"lacks model.layers.{config['num_hidden_layers'] - 1}.", "more, which config.json gives the model"]
+    else:
+        config["tie_word_embeddings"] = "false"
+        needles = ["config.json: transformers refuses it", "tie_word_embeddings", "fix that field"]
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert_clean_failure(*run_cli(src, out, "--scheme", scheme), out, *needles)

@@ -47,7 +47,16 @@ def test_repo_missing_from_offline_cache(hf_cache, tmp_path):
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "fp8kit-test/absent-model" in lines[0] and "HF_HUB_OFFLINE" in lines[0], proc.stderr
+    assert "nor a folder" not in lines[0]
     assert not out.exists()
+    # a mistyped local path reads as a repo id: where its first folder exists, the line says it is no folder either
+    (tmp_path / "models").mkdir()
+    env = {**os.environ, "HF_HUB_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", "from fp8kit.cli import fp8_convert; fp8_convert()", "models/lama",
+                           str(out), "--scheme", "dynamic"], env=env, capture_output=True, text=True, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert f"(nor a folder: {tmp_path.resolve() / 'models' / 'lama'} does not exist)" in lines[0], proc.stderr
 
 
 def test_sharded_repo_as_the_hf_cache_stores_it(tmp_path, llama_dir):

@@ -257,3 +257,10 @@ def test_validation_sample_fits_the_model_and_a_foreign_tokenizer_is_one_line(tm
                                        "--org", "me", "--dry-run", "--staging", str(tmp_path / "staging"), "--json"])
     (row,) = json.loads(result.stdout)
     assert row["status"] == "failed" and "past the model's vocab_size 300" in row["error"], row
+    # a tokenizer.json that is no JSON: a bare JSONDecodeError that named no file
+    (short / "tokenizer.json").write_text("{'not': json}")
+    result = CliRunner().invoke(main, ["publish", str(short), "--base-model", "org/short", "--scheme", "dynamic",
+                                       "--org", "me", "--dry-run", "--staging", str(tmp_path / "staging"), "--json"])
+    (row,) = json.loads(result.stdout)
+    assert row["status"] == "failed" and row["error"].startswith(f"{short}: its tokenizer does not load ("), row
+    assert "fix the tokenizer files (tokenizer.json, tokenizer_config.json)" in row["error"], row

@@ -601,3 +601,17 @@ def test_a_file_cache_rm_cannot_delete_is_one_line(tmp_path, llama_dir, monkeypa
     assert result.exit_code == 1 and len(lines) == 1, result.output
     assert lines[0].startswith("error: ") and "config.json: cannot delete (Operation not permitted)" in lines[0]
     assert str(entry.parent.parent) in lines[0]
+
+
+def test_models_loaded_by_hub_name_name_their_adapters_base_by_it(tmp_path, llama_dir):
+    """load_fp8_model('me/tiny') recorded its cached conversion's folder as the adapter's base: peft on another
+    machine (or after `fp8kit cache rm`) could not open it. load_model records the name; so does it now."""
+    cached_repo(tmp_path / "hub", "me/tiny", llama_dir)
+    script = ("import sys, torch; from fp8kit.rl import load_fp8_model, save_adapter; "
+              "m = load_fp8_model('me/tiny', dtype=torch.float32, lora_rank=4); print(m.name_or_path); "
+              "save_adapter(m, sys.argv[1])")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "adapter")], capture_output=True, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "me/tiny", result.stderr
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == "me/tiny"

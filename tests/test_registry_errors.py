@@ -675,3 +675,25 @@ def test_cache_rm_strips_a_pasted_name(tmp_path):
     (model_dir(name) / "c0ffee" / "dynamic-compressed-tensors-fp8kit0.lock").write_text("")
     result = CliRunner().invoke(main, ["cache", "rm", f"  {name} "])
     assert result.exit_code == 0 and not model_dir(name).exists(), result.output
+
+
+def test_resolve_refuses_a_local_folder_fp8_convert_would_refuse(tmp_path, llama_dir):
+    """An FP8 checkpoint or a folder of pickle weights was answered with an fp8-convert command (exit 0) that then
+    refused it: resolve says fp8-convert's reason itself."""
+    import shutil
+
+    from fp8kit import convert
+
+    fp8 = tmp_path / "fp8"
+    convert(llama_dir, fp8, scheme="dynamic")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(llama_dir / "config.json", pickled / "config.json")
+    (pickled / "pytorch_model.bin").write_bytes(b"not read")
+    for folder, reason in ((fp8, "checkpoint is already quantized"), (pickled, "only pickle weights")):
+        result = CliRunner().invoke(main, ["resolve", str(folder)])
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(folder) in lines[0] and reason in lines[0], result.stderr
+    result = CliRunner().invoke(main, ["resolve", str(llama_dir)])
+    assert result.exit_code == 0 and "will convert and cache" in result.stdout, result.output

@@ -557,11 +557,12 @@ def test_deepgemm_is_initialized_before_the_engine_for_quantized_checkpoints_onl
     assert calls == ["init"]
 
 
-def test_unload_model_shuts_the_engine_down_and_frees_the_models_tensors(monkeypatch, fp8_dir):
+def test_unload_model_shuts_the_engine_down_and_frees_the_models_tensors(monkeypatch, fp8_dir, tmp_path):
     """vLLM freezes its engine out of the garbage collector's reach, so `del model` freed none of its memory. Here an
     engine as load_model leaves it, its LLM a stand-in that records its shutdown, and vLLM's LoRA kernels' pointer
     cache holding a buffer (test_gpu_grpo.py runs the real engine): unload_model shuts the engine down, empties the
-    cache, and drops every tensor of the model though another reference to it is kept; both refuse work after."""
+    cache, and drops every tensor of the model though another reference to it is kept; both refuse work after
+    (the model: training, saving or loading an adapter)."""
     import gc
     import sys
     import types
@@ -597,6 +598,17 @@ def test_unload_model_shuts_the_engine_down_and_frees_the_models_tensors(monkeyp
     with pytest.raises(Fp8kitError) as e:
         train(held, None, ["the quick"], [lambda completions, **_: [0.0] * len(completions)])
     _one_line(e, "model: freed by unload_model; train a model from load_model")
+    from fp8kit.rl import load_adapter, save_adapter
+
+    for save in (lambda: save_adapter(held, tmp_path / "adapter"), lambda: held.save_pretrained(tmp_path / "adapter")):
+        with pytest.raises(Fp8kitError) as e:  # was torch's "Cannot copy out of meta tensor"
+            save()
+        _one_line(e, "model: freed by unload_model; its adapter went with it: save the adapter before unload_model")
+        assert not (tmp_path / "adapter").exists()
+    saved = save_adapter(load_fp8_model(fp8_dir, dtype=torch.float32, lora_rank=4), tmp_path / "saved")
+    with pytest.raises(Fp8kitError) as e:  # it returned, having copied into meta tensors: nothing loaded
+        load_adapter(held, saved)
+    _one_line(e, "model: freed by unload_model; load the adapter into a model from load_model")
     for call in (lambda: engine.generate([[1, 2]], 2, 4), engine.sleep, lambda: engine.sync_lora(held)):
         with pytest.raises(Fp8kitError) as e:
             call()

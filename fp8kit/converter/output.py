@@ -21,9 +21,19 @@ from fp8kit.errors import Fp8kitError
 
 
 def check_out(out: str | Path, overwrite: bool, src: Path | None = None) -> Path:
+    if isinstance(out, str) and not out.strip():  # Path("") is the current directory, which --overwrite replaced
+        raise Fp8kitError("OUT is empty; name the directory to write the FP8 checkpoint to")
     out = Path(out).expanduser().resolve()
     if not out.name:
         raise Fp8kitError(f"{out}: OUT must name a new directory")
+    if overwrite and out.exists():
+        # --overwrite replaces OUT whole: never the folder the user works in, their home, or one holding either
+        here = Path.cwd().resolve()
+        home = Path.home().resolve()
+        if out in (here, home) or out in here.parents or out in home.parents:
+            what = "the current directory" if out == here else "your home directory" if out == home else \
+                f"a folder holding {'the current directory' if out in here.parents else 'your home directory'}"
+            raise Fp8kitError(f"{out}: is {what}, which --overwrite would delete; choose a new directory for OUT")
     if out.exists() and not overwrite:
         raise Fp8kitError(f"{out}: already exists; pass --overwrite to replace it")
     if out.exists() and not out.is_dir():
@@ -62,8 +72,8 @@ def raise_swallowed_interrupt() -> None:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt():
-    """While active, SIGTERM unwinds like Ctrl-C (KeyboardInterrupt), so the same `finally` blocks remove partial
-    output: the one interrupt mechanism of fp8kit, used by the console scripts for their whole run and by
+    """While active, SIGTERM (and SIGHUP) unwinds like Ctrl-C (KeyboardInterrupt), so the same `finally` blocks
+    remove partial output: the one interrupt mechanism of fp8kit, used by the console scripts for their whole run and by
     atomic_directory around every write. Both are recorded (raise_swallowed_interrupt). Set only from the main
     thread and only over the default actions (a handler of the host application, or of an enclosing use of this,
     is left alone); restored on exit."""
@@ -77,6 +87,12 @@ def sigterm_as_interrupt():
         return
     _raised.clear()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # a closed terminal (SIGHUP) killed the run where it stood, its partial folder left behind; under nohup it is
+    # ignored (SIG_IGN), and stays so
+    hangup = getattr(signal, "SIGHUP", None)
+    hangup = hangup if hangup is not None and signal.getsignal(hangup) == signal.SIG_DFL else None
+    if hangup is not None:
+        signal.signal(hangup, _raise_interrupt)
     ctrl_c = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if ctrl_c:
         signal.signal(signal.SIGINT, _raise_interrupt)
@@ -84,6 +100,8 @@ def sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if hangup is not None:
+            signal.signal(hangup, signal.SIG_DFL)
         if ctrl_c:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         _raised.clear()
@@ -156,7 +174,8 @@ def interrupts_deferred():
         yield
         return
     caught: list[int] = []
-    held = [s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None)) if s is not None]
+    held = [s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None))
+            if s is not None]
     previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
     try:
         yield

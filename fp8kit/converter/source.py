@@ -40,6 +40,8 @@ def resolve(src: str | Path) -> Path:
     if not is_repo_id(text):
         raise Fp8kitError(f"{src}: no such directory, and not a Hub repo id of the form org/name[@revision]")
     repo_id, _, revision = text.partition("@")
+    # models/llama mistyped reads as a repo id; where its first folder exists here, the errors say it meant a path
+    nor_folder = f" (nor a folder: {path.resolve()} does not exist)" if path.parent.is_dir() else ""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
@@ -54,12 +56,13 @@ def resolve(src: str | Path) -> Path:
     except GatedRepoError as e:
         raise Fp8kitError(f"{repo_id}: gated repo; accept its terms on the Hub and log in (hf auth login)") from e
     except RepositoryNotFoundError as e:
-        raise Fp8kitError(f"{repo_id}: repo not found on the Hub (or private: log in with hf auth login)") from e
+        raise Fp8kitError(f"{repo_id}: repo not found on the Hub (or private: log in with hf auth login)"
+                          f"{nor_folder}") from e
     except RevisionNotFoundError as e:
         raise Fp8kitError(f"{repo_id}: revision {revision!r} not found on the Hub") from e
     except LocalEntryNotFoundError as e:
         raise Fp8kitError(f"{repo_id}: not in the local HF cache and the Hub cannot be reached (HF_HUB_OFFLINE set, "
-                          f"or no network); download it first or unset HF_HUB_OFFLINE") from e
+                          f"or no network){nor_folder}; download it first or unset HF_HUB_OFFLINE") from e
     except HFValidationError as e:  # names the regex admits but the Hub does not (a--b, .git, over 96 characters)
         raise Fp8kitError(f"{text}: not a valid Hub repo id ({str(e).splitlines()[0]})") from e
     except (OSError, _network_error()) as e:
@@ -217,3 +220,49 @@ def copy_extra_files(src: Path, dst: Path, keep_existing: bool = False) -> None:
 def folder_files(folder: Path) -> list[str]:
     """Every regular file under `folder`, as sorted relative POSIX paths (chat templates live in a subfolder)."""
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+def check_against_config(src: Path, tensors: dict[str, TensorInfo]) -> None:
+    """transformers builds the model from config.json and fills it by name: a Linear or embedding weight the
+    checkpoint lacks is initialised at random (and calibrated and written as if it were the model's), and one of
+    another shape fails vLLM's load. Both are refused here, from the model built on the meta device (no weight is
+    read). Architectures transformers cannot build, and fused MoE experts (3-D tensors a converter makes from
+    per-expert ones, no Linear), are left to the engines."""
+    import torch
+
+    try:
+        import transformers
+        from huggingface_hub.errors import StrictDataclassError
+
+        from fp8kit.loaded_names import build_model, key_renamer
+        from fp8kit.quality import quiet
+
+        with quiet():  # never the checkpoint's own code (auto_map): transformers would ask on the terminal to run it
+            try:
+                config = transformers.AutoConfig.from_pretrained(src, trust_remote_code=False)
+            except StrictDataclassError as e:  # a field of the wrong type: transformers and vLLM refuse to load it
+                why = " ".join(line.strip() for line in str(e).strip().splitlines()[:2])
+                raise Fp8kitError(f"{src / 'config.json'}: transformers refuses it ({why}); fix that field") from e
+            with torch.device("meta"):
+                model = build_model(config)
+        rename = key_renamer(model)
+    except Fp8kitError:
+        raise
+    except Exception:  # noqa: BLE001 - an architecture transformers cannot build here: nothing to check against
+        return
+    held = {rename(name): info for name, info in tensors.items()}
+    weights = {f"{n}.weight": m.weight for n, m in model.named_modules()
+               if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and isinstance(m.weight, torch.nn.Parameter)}
+    for name, weight in weights.items():
+        info = held.get(name)
+        if info is not None and tuple(info.shape) != tuple(weight.shape):
+            raise Fp8kitError(f"{info.path}: {info.name} has shape {list(info.shape)}, but config.json gives the "
+                              f"model {list(weight.shape)}: the weights and config.json do not belong together; fix "
+                              f"config.json or the weights")
+    present = {id(w) for name, w in weights.items() if name in held}  # a tied head shares the embeddings' tensor
+    missing = [name for name, w in weights.items() if name not in held and id(w) not in present]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise Fp8kitError(f"{src}: lacks {missing[0]}{more}, which config.json gives the model (transformers would "
+                          f"fill them at random): the weights and config.json do not belong together; add the "
+                          f"missing weights (a shard left out of the index?) or fix config.json")

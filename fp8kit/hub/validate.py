@@ -30,7 +30,12 @@ def sample_ids(src: Path, max_tokens: int = 512, seed: int = 0) -> tuple[torch.T
     if any((src / f).exists() for f in TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(src)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(src)
+        except Exception as e:  # noqa: BLE001 - which error depends on the files present and the packages installed
+            reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            raise Fp8kitError(f"{src}: its tokenizer does not load ({type(e).__name__}: {reason.rstrip(': ')}); fix "
+                              f"the tokenizer files ({', '.join(f for f in TOKENIZER_FILES if (src / f).exists())})")
         ids = tokenizer(SAMPLE.read_text(), return_tensors="pt").input_ids[:, :max_tokens]
         if isinstance(vocab, int) and ids.numel() and int(ids.max()) >= vocab:  # an IndexError in the embedding
             raise Fp8kitError(f"{src}: its tokenizer gives token id {int(ids.max())}, past the model's vocab_size "

@@ -75,6 +75,12 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
     local = Path(name).expanduser().is_dir()
     if local:  # a local checkpoint is converted, whatever its path looks like
         variants = []
+        from fp8kit.converter import source
+
+        # what fp8-convert refuses at once (no config.json, already quantized, pickle weights only) is said now, not
+        # planned as a conversion to run
+        source.load_config(Path(name).expanduser())
+        source.weight_files(Path(name).expanduser())
     else:
         if not is_repo_id(name):
             raise Fp8kitError(f"{name}: no such folder, and not a Hub repo id of the form org/name[@revision]")

@@ -30,8 +30,8 @@ from fp8kit.errors import Fp8kitError
 from fp8kit.rl import logprobs
 from fp8kit.rl.grpo_loss import (LOSS_TYPES, group_advantages, mismatch_kl, nanstd, policy_loss, reward_stds,
                                  truncated_importance_weights)
-from fp8kit.rl.loader import (_fsync, _one_line, _rng_devices, _short_repr, adapters_disabled, load_adapter,
-                              lora_modules, write_adapter)
+from fp8kit.rl.loader import (_fsync, _one_line, _rng_devices, _short_repr, adapters_disabled, check_not_unloaded,
+                              load_adapter, lora_modules, write_adapter)
 from fp8kit.rl.regional_compile import check_torch_compile, compiled_decoder_layers
 from fp8kit.rl.rollout import ROLLOUT_METHODS, Completion, HFRollout
 
@@ -504,9 +504,7 @@ def train(model: nn.Module, tokenizer, prompts: list, reward_funcs: list[Callabl
     config = _config(config)
     if not isinstance(model, nn.Module):
         raise Fp8kitError(f"model={_short_repr(model, 40)}: expected the model load_model returned")
-    if getattr(model, "unloaded", False):  # its tensors are on the meta device: the losses would be meta tensors
-        raise Fp8kitError("model: freed by unload_model; train a model from load_model (call it again to reload "
-                          "this one)")
+    check_not_unloaded(model, "train a model from load_model (call it again to reload this one)")
     if not callable(tokenizer):
         raise Fp8kitError(f"tokenizer={_short_repr(tokenizer, 40)}: expected the tokenizer load_model returned")
     missing = [m for m in ROLLOUT_METHODS if rollout is not None and not callable(getattr(rollout, m, None))]

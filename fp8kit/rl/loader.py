@@ -405,9 +405,11 @@ def read_config(path: Path):
         raise Fp8kitError(f"{file}: unreadable or not JSON ({_one_line(e)}); {RECONVERT}") from e
     if not isinstance(raw, dict):
         raise Fp8kitError(f"{file}: not a JSON object; {RECONVERT}")
+    from huggingface_hub.errors import StrictDataclassError  # a field of the wrong type (tie_word_embeddings "false")
+
     try:
         config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StrictDataclassError) as e:
         raise Fp8kitError(f"{file}: transformers cannot build a config from it ({_one_line(e)}); check its model_type "
                           f"(a newer transformers may be needed) or {RECONVERT}") from e
     qc = getattr(config, "quantization_config", None)
@@ -456,8 +458,9 @@ def load_fp8_model(path_or_name: str | Path, dtype: torch.dtype = torch.bfloat16
         raise Fp8kitError(f"{path}: not an FP8 checkpoint (no quantization_config); convert it with fp8-convert")
     model = _load(path, config, scheme, dtype, lora_rank, lora_alpha, target_modules, lora_dropout, device, backend,
                   seed)
-    if local:  # saved adapters name their base by it: peft opens neither '~' nor a path relative to another folder
-        model.name_or_path = str(path.resolve())
+    # saved adapters name their base by it: peft opens neither '~' nor a path relative to another folder, nor
+    # fp8kit's cache folder on another machine, so a name stays the name given (as load_model records it)
+    model.name_or_path = str(path.resolve()) if local else str(path_or_name)
     return model
 
 
@@ -548,6 +551,13 @@ def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, (FP8LoRALinear, LoRALinear)) and m.rank}
 
 
+def check_not_unloaded(model: nn.Module, what: str) -> None:
+    """unload_model moved the model's tensors to the meta device: saving would fail inside torch (no data to copy)
+    and loading an adapter or training would silently do nothing on them."""
+    if getattr(model, "unloaded", False):
+        raise Fp8kitError(f"model: freed by unload_model; {what}")
+
+
 def save_adapter(model: nn.Module, directory: str | Path, base_model_name_or_path: str | None = None) -> Path:
     """PEFT's adapter layout (adapter_model.safetensors + adapter_config.json), readable by peft and vLLM.
     `directory` is created if missing; each of the two files is replaced atomically and every other file
@@ -579,6 +589,7 @@ def write_adapter(model: nn.Module, folder: Path, base_model_name_or_path: str |
 def _adapter_payload(model: nn.Module, base_model_name_or_path: str | None) -> tuple[dict[str, torch.Tensor], dict]:
     """The adapter's tensors under PEFT's names, and its adapter_config.json. Without a base named, the model's own
     (load_model's name, or the checkpoint loaded): peft's AutoPeftModelForCausalLM opens the base from it."""
+    check_not_unloaded(model, "its adapter went with it: save the adapter before unload_model")
     if base_model_name_or_path is None:
         base_model_name_or_path = str(getattr(model, "name_or_path", "") or "")
     elif isinstance(base_model_name_or_path, os.PathLike):  # a local base: peft reads a string
@@ -667,6 +678,7 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
     (lora_alpha / r) is taken from adapter_config.json. Everything is checked before the model is touched."""
     from safetensors import SafetensorError, safe_open
 
+    check_not_unloaded(model, "load the adapter into a model from load_model (call it again to reload this one)")
     directory = Path(directory)
     config_file, weights_file = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
     redo = "pass a folder written by save_adapter or peft's save_pretrained"
