@@ -216,6 +216,22 @@ def test_load_model_without_tokenizer_files_is_one_line_before_any_weight(fp8_di
     assert _one_line(e, "transformers cannot load its tokenizer").startswith(f"{bare}: ")
 
 
+def test_an_originals_broken_tokenizer_is_named_there_before_it_is_converted(src32, tmp_path, monkeypatch):
+    """Only the tokenizer files' presence was checked before converting: a corrupt tokenizer.json failed after the
+    conversion, naming the registry's cache folder ("copy the tokenizer files into this folder")."""
+    from fp8kit.models import add_tokenizer
+    from fp8kit.rl import model as rl_model
+
+    monkeypatch.setenv("FP8KIT_CACHE", str(tmp_path / "cache"))
+    original = shutil.copytree(src32, tmp_path / "original")
+    add_tokenizer(original, "the quick brown fox jumps over the lazy dog " * 20, vocab_size=300)
+    (original / "tokenizer.json").write_text("{not json")
+    with pytest.raises(Fp8kitError) as e:
+        rl_model.load_model(original, dtype=torch.float32, lora_rank=4, device="cpu")
+    assert _one_line(e, "transformers cannot load its tokenizer").startswith(f"{original}: ")
+    assert not (tmp_path / "cache").exists()  # refused before anything was converted
+
+
 @pytest.mark.parametrize("loader", ["fp8", "bf16"])
 def test_relative_local_paths_are_stored_absolute(fp8_dir, src32, tmp_path, monkeypatch, loader):
     """load_fp8_model('fp8') wrote base_model_name_or_path 'fp8', which peft cannot open from another folder."""

@@ -84,7 +84,7 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
     local = Path(name).expanduser()
     source_config, source_scheme = read_config(local) if local.is_dir() else (None, None)
     if local.is_dir() and source_scheme is None:  # an original to convert: its tokenizer before minutes of work
-        _check_tokenizer_files(local)
+        _tokenizer(local)  # loaded, not just found: a broken one was blamed on the cached conversion's copy
         if with_vllm:
             _check_vllm_model(source_config, local, dtype, max_seq_length, vllm_kwargs)
     path = _checkpoint(str(name), load_in_fp8)
