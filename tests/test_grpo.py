@@ -372,7 +372,8 @@ def test_dropout_is_off_while_training_and_restored(tiny_fp8, tmp_path):
                                          ("beta", -0.1), ("weight_decay", -1.0), ("epsilon", float("nan")),
                                          ("warmup_steps", "2"), ("num_generations", 2.5), ("num_generations", "4"),
                                          ("save_steps", -1), ("seed", 1.5), ("adam_betas", (1.5, 0.9)),
-                                         ("torch_compile", "false")])
+                                         ("torch_compile", "false"), ("max_grad_norm", -1.0),
+                                         ("max_grad_norm", float("inf"))])
 def test_config_values_that_would_fail_after_a_rollout_are_refused(field, value):
     with pytest.raises(Fp8kitError) as e:
         GRPOConfig(**{field: value})
@@ -437,6 +438,23 @@ def test_gradients_left_on_the_lora_parameters_do_not_reach_the_first_step(tiny_
                     p.grad = torch.full_like(p, 3.0)
         logs.append(train(model, tok, ["the quick", "a lazy dog"], [_sum_reward], config)[0])
     assert logs[1]["grad_norm"] == pytest.approx(logs[0]["grad_norm"], rel=1e-6)
+
+
+def test_max_grad_norm_zero_is_no_clipping(tiny_fp8):
+    """transformers' Trainer and TRL take max_grad_norm=0 as no clipping; it was refused. The step it takes is the
+    unclipped one (a threshold far above the norm), and the one a small threshold clips differs."""
+    from fp8kit.rl.loader import lora_modules
+
+    adapters = {}
+    for norm in (0.0, 1e9, 1e-4):
+        config = GRPOConfig(steps=1, prompts_per_step=2, num_generations=2, max_completion_length=4,
+                            learning_rate=1e-2, max_grad_norm=norm, seed=3)
+        model, tok = load_model(str(tiny_fp8), lora_rank=4, device="cpu", dtype=torch.float32)
+        log = train(model, tok, ["the quick", "a lazy dog"], [_sum_reward], config)[0]
+        assert log["grad_norm"] > 1e-4 and not log["update_skipped"], log
+        adapters[norm] = torch.cat([m.lora_B.detach().flatten() for m in lora_modules(model).values()])
+    assert torch.equal(adapters[0.0], adapters[1e9])
+    assert not torch.allclose(adapters[0.0], adapters[1e-4])
 
 
 @pytest.mark.parametrize("edit", [{"step": None}, {"step": "x"}, {"optimizer_steps": []}],

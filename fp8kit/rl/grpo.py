@@ -70,7 +70,7 @@ class GRPOConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.99)
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # 0: no clipping (transformers' and TRL's convention)
     gradient_accumulation_steps: int = 1  # micro-batches per step
     gradient_checkpointing: bool = True  # recompute each decoder layer in backward: activations dominate memory
     # compile each decoder layer for the trainer's passes (fp8kit.rl.regional_compile; the first steps compile): the
@@ -122,7 +122,8 @@ class GRPOConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise Fp8kitError(f"{name}={value!r}: expected an integer >= 1")
         for name in NUMBERS:
-            value, zero_ok = getattr(self, name), name in ("learning_rate", "beta", "weight_decay", "epsilon_high")
+            value, zero_ok = getattr(self, name), name in ("learning_rate", "beta", "weight_decay", "epsilon_high",
+                                                           "max_grad_norm")
             if value is None and name == "epsilon_high":
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf \
@@ -791,7 +792,9 @@ def _steps(model, tokenizer, rows, reward_funcs, config, rollout, optimizer, sca
                     stats["is_weight_mean"] += ((is_weights * mask).sum() / mask.sum().clamp_min(1)).item() * tokens
         loss_scale = scaler.get_scale() if scaler.is_enabled() else None
         scaler.unscale_(optimizer)  # the masters' float32 gradients, before clipping sees them
-        grad_norm = torch.nn.utils.clip_grad_norm_(list(masters.values()), config.max_grad_norm).item()
+        # max_grad_norm 0: no clipping, as in transformers' Trainer and TRL (the norm is still measured and logged)
+        grad_norm = torch.nn.utils.clip_grad_norm_(list(masters.values()),
+                                                   config.max_grad_norm or math.inf).item()
         skipped = not math.isfinite(grad_norm)  # an fp16 overflow: keep the adapter, drop this step's update
         if not skipped:
             scaler.step(optimizer)
