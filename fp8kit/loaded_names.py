@@ -79,6 +79,20 @@ def build_model(config, dtype: torch.dtype | None = None) -> torch.nn.Module:
                              else cls._from_config(config, **kwargs))
 
 
+def meta_model(src: Path) -> torch.nn.Module:
+    """The model of src's config.json as from_pretrained would build it (build_model), on the meta device: no weight
+    is read. Raises what transformers raises for a config it cannot read or an architecture it cannot build."""
+    import transformers
+
+    from fp8kit.quality import quiet
+
+    with quiet():
+        # never the checkpoint's own code (auto_map): transformers would ask on the terminal whether to run it
+        config = transformers.AutoConfig.from_pretrained(src, trust_remote_code=False)
+        with torch.device("meta"):
+            return build_model(config)
+
+
 def load_model(src: Path, **kwargs) -> torch.nn.Module:
     """The checkpoint's model with its weights, from the class build_model picks (calibration runs the whole model:
     AutoModelForCausalLM alone refused Mistral 3). Safetensors only: where transformers finds none it can use (a
@@ -120,15 +134,7 @@ def loaded_names(src: Path, modules: list[str]) -> dict[str, str]:
     if not modules:
         return {}
     try:
-        import transformers
-
-        from fp8kit.quality import quiet
-
-        with quiet():
-            # never the checkpoint's own code (auto_map): transformers would ask on the terminal whether to run it
-            config = transformers.AutoConfig.from_pretrained(src, trust_remote_code=False)
-            with torch.device("meta"):
-                model = build_model(config)
+        model = meta_model(src)
         rename = key_renamer(model)
         linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
         names = {}

@@ -117,10 +117,13 @@ def test_nan_in_weight(src, tmp_path):
     tensors["model.norm.weight"][0] = float("inf")  # kept tensors are checked too
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     assert_clean_failure(*run_cli(src, out, "--scheme", "tensor"), out, "model.norm.weight", "Inf")
-    # --kv-cache runs the model first: its keys reached Inf, blamed on the activations ("convert a bfloat16 copy")
+    # --kv-cache runs the model first: its keys reached NaN, blamed on the activations ("convert a bfloat16 copy")
+    tensors["model.norm.weight"][0] = 1.0
+    tensors["model.layers.0.self_attn.k_proj.weight"][2, 3] = float("nan")
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     add_tokenizer(src, "the quick brown fox jumps over the lazy dog " * 20, vocab_size=300)
-    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic", "--kv-cache", "fp8"), out, "model.norm.weight",
-                         "contains NaN or Inf; fix the source weights")
+    assert_clean_failure(*run_cli(src, out, "--scheme", "dynamic", "--kv-cache", "fp8"), out,
+                         "model.layers.0.self_attn.k_proj.weight", "contains NaN or Inf; fix the source weights")
 
 
 def test_unsupported_dtype(src, tmp_path):

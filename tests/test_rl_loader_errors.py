@@ -134,13 +134,16 @@ def test_failed_adapter_load_leaves_the_model_untouched(fp8_dir, adapter, tmp_pa
     _assert_untouched(model, before)
 
 
-@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "{}", None], ids=["corrupt", "list", "no-model-type",
-                                                                              "missing"])
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "{}", None, "field-type"],
+                         ids=["corrupt", "list", "no-model-type", "missing", "field-type"])
 def test_unusable_model_config_is_named(fp8_dir, tmp_path, text):
     bad = tmp_path / "bad"
     shutil.copytree(fp8_dir, bad)
     if text is None:
         (bad / "config.json").unlink()
+    elif text == "field-type":  # transformers' StrictDataclassFieldValidationError was a traceback
+        config = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": "false"}))
     else:
         (bad / "config.json").write_text(text)
     with pytest.raises(Fp8kitError) as e:

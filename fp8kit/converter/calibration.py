@@ -18,7 +18,7 @@ import torch
 from fp8kit.converter.formats import quantization_args
 from fp8kit.converter.schemes import scale_from_amax
 from fp8kit.converter.select import NOT_LANGUAGE
-from fp8kit.errors import Fp8kitError
+from fp8kit.errors import Fp8kitError, first_line
 
 DEFAULT_CALIBRATION = Path(__file__).parents[1] / "data" / "sample.txt"
 KV_CACHE_DTYPES = ("fp8",)
@@ -52,7 +52,7 @@ def calibration_samples(src_path: Path, calibration: str | Path | None, seq_len:
         tokenizer = AutoTokenizer.from_pretrained(src_path)
     except Exception as e:  # noqa: BLE001 - which error depends on the files present and on the packages installed
         # transformers' messages run over several lines: the first says what failed
-        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__).rstrip(": ")
+        reason = first_line(e)
         raise Fp8kitError(f"{src_path}: {why} needs the model's tokenizer to calibrate and none loads from it "
                           f"({reason}); copy the model's tokenizer files (tokenizer.json, tokenizer_config.json) "
                           f"into {src_path}") from e
@@ -78,7 +78,7 @@ def checkpoint_prefix(module_name: str, checkpoint_keys) -> str:
 
 
 def kv_cache_scales(src_path: Path, calibration: str | Path | None, device: torch.device, scale_dtype: torch.dtype,
-                    checkpoint_keys, seq_len: int = 512) -> tuple[dict[str, torch.Tensor], str]:
+                    tensors: dict, seq_len: int = 512) -> tuple[dict[str, torch.Tensor], str]:
     """({"<attention module>.k_scale": amax(keys) / 448, ".v_scale": ...}, what they were calibrated on): the
     largest key and value each attention layer caches over the calibration text, as llm-compressor's static
     min-max observer measures them. The keys are what transformers hands its attention function: after the key
@@ -135,11 +135,16 @@ def kv_cache_scales(src_path: Path, calibration: str | Path | None, device: torc
     if not amax:
         raise Fp8kitError(f"{src_path}: no attention layer ran through transformers' attention interface; "
                           f"--kv-cache fp8 does not support this architecture")
-    keys = list(checkpoint_keys)
+    keys = list(tensors)
     scales = {}
     for name, a in amax.items():
         module, _, leaf = name.rpartition(".")
         if not bool(torch.isfinite(a)):  # vLLM would serve a NaN or inf scale as NaN
+            from fp8kit.converter.streaming import check_all_finite
+
+            # a NaN or Inf weight was blamed on the activations: the weights are read only now (the conversion, which
+            # names such a weight, runs after the calibration)
+            check_all_finite(tensors)
             states = "keys" if leaf == "k_scale" else "values"
             raise Fp8kitError(f"{src_path}: the {states} of {module} reach {a.item()} on the calibration text (the "
                               f"model's activations overflow its dtype); convert a bfloat16 or float32 copy of it, or "

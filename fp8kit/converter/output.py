@@ -28,11 +28,10 @@ def check_out(out: str | Path, overwrite: bool, src: Path | None = None) -> Path
         raise Fp8kitError(f"{out}: OUT must name a new directory")
     if overwrite and out.exists():
         # --overwrite replaces OUT whole: never the folder the user works in, their home, or one holding either
-        here = Path.cwd().resolve()
-        home = Path.home().resolve()
-        if out in (here, home) or out in here.parents or out in home.parents:
-            what = "the current directory" if out == here else "your home directory" if out == home else \
-                f"a folder holding {'the current directory' if out in here.parents else 'your home directory'}"
+        places = ((Path.cwd().resolve(), "the current directory"), (Path.home().resolve(), "your home directory"))
+        what = (next((what for folder, what in places if out == folder), None)
+                or next((f"a folder holding {what}" for folder, what in places if out in folder.parents), None))
+        if what:
             raise Fp8kitError(f"{out}: is {what}, which --overwrite would delete; choose a new directory for OUT")
     if out.exists() and not overwrite:
         raise Fp8kitError(f"{out}: already exists; pass --overwrite to replace it")

@@ -229,25 +229,16 @@ def check_against_config(src: Path, tensors: dict[str, TensorInfo]) -> None:
     read). Architectures transformers cannot build, and fused MoE experts (3-D tensors a converter makes from
     per-expert ones, no Linear), are left to the engines."""
     import torch
+    from huggingface_hub.errors import StrictDataclassError
+
+    from fp8kit.loaded_names import key_renamer, meta_model
 
     try:
-        import transformers
-        from huggingface_hub.errors import StrictDataclassError
-
-        from fp8kit.loaded_names import build_model, key_renamer
-        from fp8kit.quality import quiet
-
-        with quiet():  # never the checkpoint's own code (auto_map): transformers would ask on the terminal to run it
-            try:
-                config = transformers.AutoConfig.from_pretrained(src, trust_remote_code=False)
-            except StrictDataclassError as e:  # a field of the wrong type: transformers and vLLM refuse to load it
-                why = " ".join(line.strip() for line in str(e).strip().splitlines()[:2])
-                raise Fp8kitError(f"{src / 'config.json'}: transformers refuses it ({why}); fix that field") from e
-            with torch.device("meta"):
-                model = build_model(config)
+        model = meta_model(src)
         rename = key_renamer(model)
-    except Fp8kitError:
-        raise
+    except StrictDataclassError as e:  # a field of the wrong type: transformers and vLLM refuse to load the config
+        why = " ".join(line.strip() for line in str(e).strip().splitlines()[:2])
+        raise Fp8kitError(f"{src / 'config.json'}: transformers refuses it ({why}); fix that field") from e
     except Exception:  # noqa: BLE001 - an architecture transformers cannot build here: nothing to check against
         return
     held = {rename(name): info for name, info in tensors.items()}

@@ -450,13 +450,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     if kv_cache:
         # in the weight scales' dtype
         kv_dtype = DTYPES[_scale_dtype(tensors[sel.quantize[0] + ".weight"].dtype, format)]
-        try:
-            kv_scales, calibrated_on = kv_cache_scales(src_path, calibration, dev, kv_dtype, tensors)
-        except Fp8kitError:
-            # keys or values past FP8's range were blamed on the activations when a weight held the NaN or Inf: the
-            # weights are read only then (the conversion names such a weight, but runs after the calibration)
-            check_all_finite(tensors)
-            raise
+        kv_scales, calibrated_on = kv_cache_scales(src_path, calibration, dev, kv_dtype, tensors)
         config["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme()
         warnings.append(f"FP8 KV-cache scales calibrated on {calibrated_on}")
     inputs = _Inputs()

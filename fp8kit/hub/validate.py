@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from fp8kit.errors import Fp8kitError
+from fp8kit.errors import Fp8kitError, first_line
 from fp8kit.quality import load_causal_lm, logit_drift, perplexity, quiet
 
 SAMPLE = Path(__file__).parents[1] / "data" / "sample.txt"
@@ -33,9 +33,8 @@ def sample_ids(src: Path, max_tokens: int = 512, seed: int = 0) -> tuple[torch.T
         try:
             tokenizer = AutoTokenizer.from_pretrained(src)
         except Exception as e:  # noqa: BLE001 - which error depends on the files present and the packages installed
-            reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-            raise Fp8kitError(f"{src}: its tokenizer does not load ({type(e).__name__}: {reason.rstrip(': ')}); fix "
-                              f"the tokenizer files ({', '.join(f for f in TOKENIZER_FILES if (src / f).exists())})")
+            raise Fp8kitError(f"{src}: its tokenizer does not load ({type(e).__name__}: {first_line(e)}); fix the "
+                              f"tokenizer files ({', '.join(f for f in TOKENIZER_FILES if (src / f).exists())})") from e
         ids = tokenizer(SAMPLE.read_text(), return_tensors="pt").input_ids[:, :max_tokens]
         if isinstance(vocab, int) and ids.numel() and int(ids.max()) >= vocab:  # an IndexError in the embedding
             raise Fp8kitError(f"{src}: its tokenizer gives token id {int(ids.max())}, past the model's vocab_size "
