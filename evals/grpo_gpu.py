@@ -13,7 +13,8 @@ lowest 1/32 of the vocabulary: a random model starts near 0.03 and LoRA can rais
 Variants: bf16, fp8, fp8-kv8 (FP8 KV cache of the same token capacity), fp8-nocasts (vLLM's default Inductor
 settings, which drop the BF16 rounding before FP8 activation quantization that the runtime keeps; see
 engine_kwargs), fp8-f32acc (the trainer's FP8 GEMMs promote to float32, FP8KIT_FAST_ACCUM=0, where vLLM's do not),
-fp8-fp8bwd (the trainer's input gradients are FP8 GEMMs too, FP8KIT_FP8_BACKWARD=1); each takes `+mbtN` for N
+fp8-fp8bwd (the trainer's input gradients are FP8 GEMMs too, FP8KIT_FP8_BACKWARD=1), fp8-block (a 128x128 block
+checkpoint, load_in_fp8="block": vLLM's DeepGEMM block kernel against the trainer's block GEMMs); each takes `+mbtN` for N
 tokens per vLLM forward pass, `+gpuN` for a budget of N GiB in which vLLM sizes the KV cache (every run records the
 KV-cache tokens), `+fp16` for float16 in the trainer and vLLM and `+compile` for the trainer's decoder layers
 compiled (split_variant). --trace-step N reports what held the memory at the peaks of step N's generation and training
@@ -57,7 +58,7 @@ SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=4096, max_position_embeddings=1024, tie_word_embeddings=False),
 }
-BASE_VARIANTS = ("bf16", "fp8", "fp8-kv8", "fp8-nocasts", "fp8-f32acc", "fp8-fp8bwd")
+BASE_VARIANTS = ("bf16", "fp8", "fp8-kv8", "fp8-nocasts", "fp8-f32acc", "fp8-fp8bwd", "fp8-block")
 WORKLOAD = dict(prompts_per_step=16, num_generations=8, prompt_tokens=128, max_completion_length=256)
 LORA_RANK = 32
 KV_CACHE_BYTES = 2 << 30
@@ -256,11 +257,12 @@ def prepare(args) -> dict:
     workdir = Path(args.workdir)
     src = build(workdir, args.shape)
     result = {"gpu": torch.cuda.get_device_name(0), "bf16": str(src)}
-    if args.checkpoint == "fp8":
-        fp8 = workdir / f"{args.shape}-fp8-dynamic"
-        if not (fp8 / "config.json").exists():
-            convert(src, fp8, scheme="dynamic", device="cuda")
-        result["fp8"] = str(fp8)
+    for wanted, scheme in (("fp8", "dynamic"), ("fp8-block", "block")):
+        if wanted in (args.checkpoint or "").split(","):
+            fp8 = workdir / f"{args.shape}-fp8-{scheme}"
+            if not (fp8 / "config.json").exists():
+                convert(src, fp8, scheme=scheme, device="cuda")
+            result[wanted] = str(fp8)
     return result
 
 
@@ -343,6 +345,12 @@ def engine_kwargs(variant: str) -> dict:
     return {**kv_bytes, **settings}
 
 
+def checkpoint_of(variant: str) -> str:
+    """Which prepared checkpoint a variant runs on: bf16 (the original), fp8 (dynamic) or fp8-block."""
+    base = split_variant(variant)[0]
+    return base if base in ("bf16", "fp8-block") else "fp8"
+
+
 def variant_dtype(variant: str):
     """The trainer's and vLLM's dtype for a variant: bfloat16 unless `+fp16`."""
     import torch
@@ -393,7 +401,8 @@ def run_variant(args) -> dict:
     torch.zeros(1, device="cuda")  # the CUDA context, before anything is loaded
     snapshots = {"context_only": memory_snapshot()}
     t0 = time.perf_counter()
-    model, tokenizer = load_model(checkpoint, load_in_fp8=base != "bf16", dtype=variant_dtype(args.variant),
+    model, tokenizer = load_model(checkpoint, load_in_fp8="block" if base == "fp8-block" else base != "bf16",
+                                  dtype=variant_dtype(args.variant),
                                   max_seq_length=WORKLOAD["prompt_tokens"] + WORKLOAD["max_completion_length"] + 8,
                                   lora_rank=LORA_RANK,
                                   gpu_memory_utilization=memory_utilization(args.variant, torch.cuda.mem_get_info()[1]),
@@ -603,9 +612,10 @@ def main():
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    fp8_wanted = any(v.startswith("fp8") for v in args.variants.split(","))
+    # the checkpoints the variants run on: fp8 (dynamic) for every FP8 variant but fp8-block
+    wanted = sorted({checkpoint_of(v) for v in args.variants.split(",")} - {"bf16"})
     prepared = subprocess_json(["--prepare", "--variant", "prepare", "--shape", args.shape, "--workdir", str(workdir)]
-                               + (["--checkpoint", "fp8"] if fp8_wanted else []), env, args.child_timeout)
+                               + (["--checkpoint", ",".join(wanted)] if wanted else []), env, args.child_timeout)
     if "error" in prepared:
         raise SystemExit(f"building the {args.shape} checkpoints failed: {prepared}")
     src = Path(prepared["bf16"])
@@ -618,7 +628,7 @@ def main():
     report.setdefault("commands", []).append("python evals/grpo_gpu.py " + " ".join(sys.argv[1:]))
     runs = report.setdefault("runs", {})
     for variant in args.variants.split(","):
-        checkpoint = Path(prepared["fp8"]) if variant.startswith("fp8") else src
+        checkpoint = Path(prepared[checkpoint_of(variant)]) if variant.startswith("fp8") else src
         if args.standalone_only:
             run = runs[f"{args.shape}/{variant}"]
         else:

@@ -235,10 +235,11 @@ def resolve_cmd(name, scheme, as_json):
         _fail(str(e))
     if as_json:
         click.echo(json.dumps(answer.to_dict(), indent=2))
-    elif answer.repo_id and scheme != "auto" and answer.variant_scheme != scheme and answer.name == answer.repo_id:
-        # NAME is an upload itself: it is its own answer, whatever scheme was asked
+    elif answer.repo_id and answer.name == answer.repo_id:
+        # NAME is an upload itself: it is its own answer, whatever scheme was asked (or auto picked for this machine)
+        asked = (f", so --scheme {scheme} does not apply" if scheme not in ("auto", answer.variant_scheme) else "")
         click.echo(f"{answer.repo_id}  ({answer.variant_scheme}, {answer.format}; from the {answer.source}; "
-                   f"{name.strip()} is itself a {answer.variant_scheme} variant, so --scheme {scheme} does not apply)")
+                   f"{name.strip()} is itself a {answer.variant_scheme} variant{asked})")
     elif answer.repo_id:
         click.echo(f"{answer.repo_id}  ({answer.variant_scheme}, {answer.format}; from the {answer.source}, "
                    f"answering {answer.scheme})")
@@ -333,14 +334,15 @@ def cache_rm(name, remove_all):
 @main.command()
 @click.argument("src", required=False)
 @click.option("--base-model", default=None, metavar="ORG/NAME", help="The source's Hub name (required for a local SRC).")
-@click.option("--scheme", "schemes", multiple=True, type=click.Choice(["dynamic", "block", "tensor"]),
-              help="Repeat for several variants.")
+@click.option("--scheme", "schemes", multiple=True, type=click.Choice(["dynamic", "block", "tensor", "tensor-static"]),
+              help="Repeat for several variants. tensor-static: as fp8-convert's (activation scales calibrated on "
+                   "--calibration text).")
 @click.option("--format", "fmt", type=click.Choice(["compressed-tensors", "fp8"]), default="compressed-tensors",
               show_default=True, help="fp8 is the DeepSeek-V3 / Qwen3-*-FP8 layout (block only).")
 @click.option("--kv-cache", type=click.Choice(["fp8"]), default=None,
               help="As fp8-convert's: calibrated FP8 KV-cache scales, so vLLM serves an FP8 KV cache by default.")
 @click.option("--calibration", type=click.Path(dir_okay=False), default=None,
-              help="Calibration text for --kv-cache (default: a sample shipped with fp8kit).")
+              help="Calibration text for tensor-static and --kv-cache (default: a sample shipped with fp8kit).")
 @click.option("--lm-head", is_flag=True, help="As fp8-convert's: quantize lm_head too (untied lm_head only).")
 @click.option("--ignore", multiple=True, metavar="REGEX",
               help="As fp8-convert's: keep modules whose name matches REGEX in source precision (repeatable).")
@@ -382,9 +384,11 @@ def publish(src, base_model, schemes, fmt, kv_cache, calibration, lm_head, ignor
         for job in jobs:
             try:
                 # the card's "How it was made" is built by publish() from the variant's own arguments: the host's
-                # command line would carry --dry-run, --staging, --plan and local paths
-                results += run(**job, private=private, create_pr=create_pr, dry_run=dry_run, staging=staging,
-                               force=force)
+                # command line would carry --dry-run, --staging, --plan and local paths. llm-compressor's log
+                # (tensor-static) goes to stderr, as fp8-convert's: stdout holds the report alone
+                with _stdout_to_stderr(True):
+                    results += run(**job, private=private, create_pr=create_pr, dry_run=dry_run, staging=staging,
+                                   force=force)
             except Fp8kitError as e:
                 if not plan_path:
                     raise
@@ -431,8 +435,7 @@ def _plan_jobs(path, read_plan, src, base_model, schemes, defaults: dict, dry_ru
     (not in a dry run, which needs an org): its repos then compare with an entry that names that user as its org."""
     from click.core import ParameterSource
 
-    from fp8kit.converter.streaming import check_options
-    from fp8kit.hub.publish import check_format, conversion_options
+    from fp8kit.hub.publish import calibrates, check_format, check_variant_options, conversion_options
 
     per_run = [name for name, given in (("SRC", src), ("--base-model", base_model), ("--scheme", schemes)) if given]
     if per_run:
@@ -455,17 +458,18 @@ def _plan_jobs(path, read_plan, src, base_model, schemes, defaults: dict, dry_ru
             for m in plan["model"]]
     for m, job in zip(plan["model"], jobs):
         job["kv_cache"] = job["kv_cache"] or None  # an entry's `kv_cache = false` turns a default off
-        if not job["kv_cache"] and "calibration" not in m:  # a default calibration is for the entries that calibrate
-            job["calibration"] = None
-    options = []  # each entry's conversion_options, as its variants record them
+        if not any(calibrates(s, job["kv_cache"]) for s in job["schemes"]) and "calibration" not in m:
+            job["calibration"] = None  # a default calibration is for the entries that calibrate
+    options = []  # each entry's conversion_options of each scheme, as its variants record them
     for i, (m, job) in enumerate(zip(plan["model"], jobs)):  # each entry's format, named where it was set
         check_format(job["fmt"], job["schemes"], f"{path}: [[model]] number {i + 1}: format" if "format" in m else
                      f"{path}: top-level format (for [[model]] number {i + 1})" if "format" in plan else
                      f"--format (for {path}'s [[model]] number {i + 1})")
         try:  # fp8-convert's options, and the calibration text read, before the first entry is converted
-            for scheme in job["schemes"]:
-                check_options(scheme, job["fmt"], job["ignore"], job["lm_head"], job["kv_cache"], job["calibration"])
-            options.append(conversion_options(job["kv_cache"], job["calibration"], job["lm_head"], job["ignore"]))
+            check_variant_options(job["schemes"], job["fmt"], job["ignore"], job["lm_head"], job["kv_cache"],
+                                  job["calibration"])
+            options.append({s: conversion_options(job["kv_cache"], job["calibration"], job["lm_head"], job["ignore"], s)
+                            for s in job["schemes"]})
         except Fp8kitError as e:
             raise Fp8kitError(f"{path}: [[model]] number {i + 1}: {e}") from e
     _check_plan_names(path, jobs)
@@ -502,20 +506,20 @@ def _check_plan_names(path, jobs: list[dict]) -> None:
 def _refuse_shared_repos(path, jobs: list[dict], options: list[dict]) -> None:
     """Two [[model]] entries whose variants land in one repo (the default template fills it from the name alone, so
     org-a/Foo and org-b/Foo collide, and one model's two formats): the later upload would replace the earlier one's
-    weights under its name. `options`: each entry's conversion_options."""
+    weights under its name. `options`: each entry's conversion_options of each scheme."""
     import shlex
 
     from fp8kit.hub.publish import convert_args, repo_id_for
 
     seen = {}
     for i, (job, recorded) in enumerate(zip(jobs, options)):
-        # what the variants hold: the model, the format and fp8-convert's options (one model with and without an
-        # FP8 KV cache are two variants)
-        args = convert_args(job["kv_cache"], job["calibration"], job["lm_head"], job["ignore"])
-        label = ", ".join([job["src"], job["fmt"]] + ([shlex.join(args)] if args else []))
-        source = (job["src"], job["base_model"] or job["src"].partition("@")[0], job["fmt"],
-                  json.dumps(recorded, sort_keys=True))
         for scheme in job["schemes"]:
+            # what the variant holds: the model, the format and fp8-convert's options (one model with and without an
+            # FP8 KV cache are two variants)
+            args = convert_args(job["kv_cache"], job["calibration"], job["lm_head"], job["ignore"], scheme)
+            label = ", ".join([job["src"], job["fmt"]] + ([shlex.join(args)] if args else []))
+            source = (job["src"], job["base_model"] or job["src"].partition("@")[0], job["fmt"],
+                      json.dumps(recorded[scheme], sort_keys=True))
             # an entry without org publishes under the token's user: one name for all such entries
             repo_id = repo_id_for(job["repo_template"], job["org"] or "{token user}", source[1], scheme)
             j, other, other_label = seen.setdefault(repo_id.lower(), (i, source, label))

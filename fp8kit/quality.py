@@ -17,6 +17,17 @@ import torch
 from fp8kit.converter.schemes import SCHEMES, dequantize_weight
 
 
+def static_activations(quantization_config: dict) -> bool:
+    """Whether a checkpoint quantizes activations with static scales (`tensor-static`, or `activation_scheme: static`
+    in the fp8 format): vLLM uses them, while fp8kit's training layers quantize activations per token."""
+    qc = quantization_config if isinstance(quantization_config, dict) else {}
+    if qc.get("quant_method") == "fp8":
+        return qc.get("activation_scheme") == "static"
+    groups = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
+    return any(isinstance(g, dict) and isinstance(g.get("input_activations"), dict)
+               and g["input_activations"].get("dynamic") is False for g in groups.values())
+
+
 def scheme_of(quantization_config: dict, where: str = "quantization_config") -> str:
     """The FP8 scheme of a checkpoint's quantization_config: 'dynamic' (per-channel weights), 'block' (128x128) or
     'tensor'. Anything else (INT8 W8A8 or INT4 compressed-tensors, FP4, config groups with different schemes,

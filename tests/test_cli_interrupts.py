@@ -202,6 +202,66 @@ def test_stale_partial_folder_is_removed_by_the_next_conversion_and_by_cache_rm(
     assert not model_dir(str(src)).exists()
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL") or sys.platform == "win32", reason="kills with SIGKILL")
+def test_a_killed_conversion_s_folder_is_removed_by_the_next_run_into_that_out(tmp_path, big_src):
+    """SIGKILL (the OOM killer's) left `.OUT.partial-*` with every shard written so far, which no later run removed.
+    The next run into that OUT removes it, and says so; a folder whose writer is alive (its lock held) and one an
+    older fp8kit left (no lock file, so its writer cannot be told) stay."""
+    import fcntl
+    import json
+
+    from fp8kit.converter.output import WRITING
+
+    out = tmp_path / "out"
+    command = ["fp8-convert", str(big_src), str(out), "--scheme", "tensor", "--json"]
+    proc = subprocess.Popen(command, env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline and not any(
+            f.suffix == ".safetensors" for p in tmp_path.glob(".out.partial-*") for f in p.iterdir()):
+        time.sleep(0.002)
+    proc.kill()
+    proc.communicate(timeout=60)
+    (killed,) = tmp_path.glob(".out.partial-*")
+    assert proc.returncode == -signal.SIGKILL and not out.exists(), proc.returncode
+    assert (killed / WRITING).exists() and any(f.suffix == ".safetensors" for f in killed.iterdir())
+
+    live = tmp_path / ".out.partial-live"  # another run's, writing now: this process holds its lock
+    live.mkdir()
+    held = os.open(live / WRITING, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    older = tmp_path / ".out.partial-0123abcd"
+    older.mkdir()
+    try:
+        done = subprocess.run(command, env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
+    finally:
+        os.close(held)
+    assert done.returncode == 0, done.stderr
+    warnings = json.loads(done.stdout)["warnings"]
+    assert any(w.startswith(f"removed {killed.name} (") and "by a conversion that was killed" in w
+               for w in warnings), warnings
+    assert not killed.exists() and live.exists() and older.exists()
+    assert WRITING not in {f.name for f in out.iterdir()} and (out / "config.json").exists()
+
+
+def test_where_no_lock_can_be_had_a_partial_folder_is_never_taken_for_abandoned(tmp_path, monkeypatch):
+    """A filesystem without locks (or a platform without fcntl): the writer cannot hold one, so it leaves no lock file,
+    and another run cannot remove its folder while it writes."""
+    from fp8kit.converter import output
+
+    out = tmp_path / "out"
+    with output.atomic_directory(out, overwrite=False) as partial:  # with locks: a live writer's folder stays
+        assert [f.name for f in partial.iterdir()] == [output.WRITING]  # locked before it had this name
+        assert output.remove_abandoned(out) == [] and partial.exists()
+    assert [f.name for f in out.iterdir()] == []
+    monkeypatch.setattr(output, "_try_lock", lambda fd: False)
+    out = tmp_path / "out2"
+    with output.atomic_directory(out, overwrite=False) as partial:
+        assert not (partial / output.WRITING).exists()
+        assert output.remove_abandoned(out) == [] and partial.exists()
+        (partial / "a.txt").write_text("a")
+    assert [f.name for f in out.iterdir()] == ["a.txt"]
+
+
 def caught_signals(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("SigCgt:"):

@@ -84,6 +84,10 @@ def test_variant_names_and_options():
     assert str(variant_dtype("fp8+fp16")) == "torch.float16" and str(variant_dtype("bf16")) == "torch.bfloat16"
     assert split_variant("bf16+compile+mbt4096") == ("bf16", {"torch_compile": True, "max_num_batched_tokens": 4096})
     assert engine_kwargs("fp8+compile") == engine_kwargs("fp8")  # the trainer's setting, not vLLM's
+    # the block checkpoint is fp8-block's alone; every other FP8 variant runs on the per-channel one
+    assert [grpo_gpu.checkpoint_of(v) for v in ("bf16+fp16", "fp8-kv8+gpu20", "fp8-block+compile", "fp8")] == [
+        "bf16", "fp8", "fp8-block", "fp8"]
+    assert engine_kwargs("fp8-block") == engine_kwargs("fp8")
     with pytest.raises(SystemExit, match="budget of 96 GiB is not below this GPU's 80.0 GiB"):
         memory_utilization("fp8+gpu96", 80 << 30)
     for bad in ("fp8+mbt", "fp8+fast", "fp9", "fp8+gpu0", "fp8+gpu1.5", "fp8+fp32"):

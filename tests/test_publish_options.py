@@ -240,7 +240,8 @@ def test_text_report_says_why_layers_were_kept(tmp_path, src, isolated):
 
 def test_validation_sample_fits_the_model_and_a_foreign_tokenizer_is_one_line(tmp_path, isolated):
     """The sample was cut at 512 tokens whatever max_position_embeddings said, and a tokenizer whose ids run past
-    the model's vocabulary failed the variant with a bare IndexError."""
+    the model's vocabulary failed the variant with a bare IndexError. A tokenizer that cannot give the sample is
+    named before any conversion (it was found only when validating, after converting the whole model)."""
     import torch
 
     from fp8kit.hub.validate import sample_ids
@@ -253,14 +254,88 @@ def test_validation_sample_fits_the_model_and_a_foreign_tokenizer_is_one_line(tm
 
     small = build_checkpoint(tmp_path / "small", "llama", torch.bfloat16, seed=1, vocab_size=300)
     add_tokenizer(small, SAMPLE.read_text() * 3, vocab_size=512)  # trained on the sample: ids up to 511
+    staging = tmp_path / "staging"
     result = CliRunner().invoke(main, ["publish", str(small), "--base-model", "org/small", "--scheme", "dynamic",
-                                       "--org", "me", "--dry-run", "--staging", str(tmp_path / "staging"), "--json"])
-    (row,) = json.loads(result.stdout)
-    assert row["status"] == "failed" and "past the model's vocab_size 300" in row["error"], row
+                                       "--org", "me", "--dry-run", "--staging", str(staging), "--json"])
+    assert "past the model's vocab_size 300" in one_line_error(result)
+    assert not (tmp_path / "fp8cache").exists() and not staging.exists()  # nothing converted or staged
     # a tokenizer.json that is no JSON: a bare JSONDecodeError that named no file
     (short / "tokenizer.json").write_text("{'not': json}")
     result = CliRunner().invoke(main, ["publish", str(short), "--base-model", "org/short", "--scheme", "dynamic",
-                                       "--org", "me", "--dry-run", "--staging", str(tmp_path / "staging"), "--json"])
-    (row,) = json.loads(result.stdout)
-    assert row["status"] == "failed" and row["error"].startswith(f"{short}: its tokenizer does not load ("), row
-    assert "fix the tokenizer files (tokenizer.json, tokenizer_config.json)" in row["error"], row
+                                       "--scheme", "block", "--org", "me", "--dry-run", "--staging", str(staging),
+                                       "--json"])
+    line = one_line_error(result)
+    assert line.startswith(f"error: {short}: its tokenizer does not load ("), line
+    assert "fix the tokenizer files (tokenizer.json, tokenizer_config.json)" in line, line
+    assert not (tmp_path / "fp8cache").exists() and not staging.exists()
+    # in a plan, the entry's variants fail under their repos and the next entry is published
+    plan = tmp_path / "plan.toml"
+    plan.write_text(f'org = "me"\n[[model]]\nsrc = "{short}"\nbase_model = "org/short"\nschemes = ["dynamic", '
+                    f'"block"]\n[[model]]\nsrc = "{short.parent / "ok"}"\nbase_model = "org/ok"\n'
+                    f'schemes = ["dynamic"]\n')
+    build_checkpoint(tmp_path / "ok", "llama", torch.bfloat16, seed=1)
+    result = CliRunner().invoke(main, ["publish", "--plan", str(plan), "--dry-run", "--staging", str(staging),
+                                       "--json"])
+    rows = {r["repo_id"]: r for r in json.loads(result.stdout)}
+    assert [rows[f"me/short-FP8-{s}"]["status"] for s in ("Dynamic", "Block")] == ["failed", "failed"], rows
+    assert "its tokenizer does not load" in rows["me/short-FP8-Dynamic"]["error"]
+    assert rows["me/ok-FP8-Dynamic"]["status"] == "dry-run", rows
+
+
+def test_tensor_static_is_published_with_its_calibration_beside_a_plain_variant(tmp_path, hub, src):
+    """tensor-static (vLLM's fastest FP8 path) could be converted but not published. It always calibrates: --calibration
+    is its text (not the plain variant's, converted from the cache beside it), recorded on the card and in
+    fp8kit.json, and it registers as a variant that answers no other scheme (the GRPO runtime refuses static
+    activation scales)."""
+    pytest.importorskip("llmcompressor")
+    args = [src, "--base-model", "org/tiny", "--scheme", "dynamic", "--scheme", "tensor-static", "--calibration",
+            tmp_path / "calib.txt", "--json"]
+    proc = publish(tmp_path, hub, *args)
+    assert proc.returncode == 0, proc.stderr
+    out = results(proc)
+    repo = "tester/tiny-FP8-Tensor-Static"
+    assert out[repo]["status"] == "uploaded" and out[repo]["metrics"]["kl"] < 5e-3, out
+    assert out["tester/tiny-FP8-Dynamic"]["status"] == "uploaded", out
+
+    qc = json.loads(hub.file(repo, "config.json"))["quantization_config"]
+    activations = qc["config_groups"]["group_0"]["input_activations"]
+    assert activations["dynamic"] is False and activations["strategy"] == "tensor", activations
+    index = json.loads(hub.file(repo, "model.safetensors.index.json"))["weight_map"] \
+        if "model.safetensors.index.json" in hub.repos[repo]["files"] else None
+    names = sorted(set(index.values())) if index else ["model.safetensors"]
+    weights = {}
+    for shard in names:
+        weights.update(tensors(hub.file(repo, shard), tmp_path))
+    assert weights["model.layers.0.mlp.down_proj.input_scale"].numel() == 1
+    assert weights["model.layers.0.mlp.down_proj.weight"].dtype.itemsize == 1
+
+    digest = hashlib.sha256(TEXT.encode()).hexdigest()
+    assert json.loads(hub.file(repo, "fp8kit.json"))["calibration"] == {"file": "calib.txt", "sha256": digest}
+    assert "calibration" not in json.loads(hub.file("tester/tiny-FP8-Dynamic", "fp8kit.json"))
+    card = ModelCard(hub.file(repo, "README.md").decode()).text
+    assert "**FP8 per-tensor, static activations**" in card and "calibrated on calib.txt" in card
+    assert "--scheme tensor-static --org tester --repo-template '{org}/{name}-FP8-{Scheme}' --calibration calib.txt" \
+        in card, card
+    assert "--calibration" not in ModelCard(hub.file("tester/tiny-FP8-Dynamic", "README.md").decode()).text
+    assert not list((tmp_path / "fp8cache").glob("*/*/tensor-static-*"))  # converted for the run, not cached
+    assert not list((tmp_path / "tmp").iterdir())
+
+    overlay = (tmp_path / "overlay.toml").read_text()
+    assert 'repo_id = "tester/tiny-FP8-Tensor-Static"' in overlay and 'serves = ["tensor-static"]' in overlay
+    env = {"FP8KIT_REGISTRY": str(tmp_path / "overlay.toml")}
+    listed = CliRunner().invoke(main, ["registry", "list", "--json"], env=env)
+    assert {v["repo_id"]: v["scheme"] for v in json.loads(listed.stdout)}[repo] == "tensor-static"
+    resolved = CliRunner().invoke(main, ["resolve", "org/tiny", "--scheme", "tensor", "--json"], env=env)
+    assert json.loads(resolved.stdout)["repo_id"] is None  # a static upload does not answer tensor
+
+    commits = sum(1 for m, p in hub.requests if "/commit/" in p)
+    proc = publish(tmp_path, hub, *args)  # calibrated again, to the same bytes
+    assert proc.returncode == 0, proc.stderr
+    assert {r["status"] for r in results(proc).values()} == {"unchanged"}
+    assert sum(1 for m, p in hub.requests if "/commit/" in p) == commits
+
+
+def test_tensor_static_is_compressed_tensors_only(tmp_path, src, isolated):
+    result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--org", "me", "--dry-run",
+                                       "--format", "fp8", "--scheme", "block", "--scheme", "tensor-static"])
+    assert "tensor-static is written in the compressed-tensors format only" in one_line_error(result)

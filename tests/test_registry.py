@@ -1,6 +1,7 @@
 """Registry: catalog resolution, near names, overlay, and ensure() against a locally built HF cache."""
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -175,6 +176,13 @@ def test_cli_resolve_json():
         "unsloth/Qwen3-4B-FP8@abc  (block, fp8; from the catalog; unsloth/Qwen3-4B-FP8@abc is itself a block "
         "variant, so --scheme dynamic does not apply)"), result.output
     result = CliRunner().invoke(main, ["resolve", "unsloth/Qwen3-4B-FP8", "--scheme", "block"])
+    assert result.stdout.strip() == ("unsloth/Qwen3-4B-FP8  (block, fp8; from the catalog; unsloth/Qwen3-4B-FP8 is "
+                                     "itself a block variant)")
+    # auto on a machine without row-wise FP8 picks block; a torchao upload answered "answering block"
+    result = CliRunner().invoke(main, ["resolve", "unsloth/Magistral-Small-2509-FP8-torchao"])
+    assert result.stdout.strip() == ("unsloth/Magistral-Small-2509-FP8-torchao  (torchao, torchao; from the catalog; "
+                                     "unsloth/Magistral-Small-2509-FP8-torchao is itself a torchao variant)")
+    result = CliRunner().invoke(main, ["resolve", "Qwen/Qwen3-4B", "--scheme", "block"])
     assert result.stdout.strip() == "unsloth/Qwen3-4B-FP8  (block, fp8; from the catalog, answering block)"
     result = CliRunner().invoke(main, ["registry", "list", "--family", "gemma-3", "--json"])
     assert [v["repo_id"] for v in json.loads(result.stdout)] == [
@@ -223,6 +231,37 @@ def test_an_upload_that_is_not_what_the_registry_lists_is_refused(tmp_path, llam
         _, err = proc.communicate(timeout=120)
         assert proc.returncode != 0 and "Fp8kitError: unsloth/Qwen3-" in err, err
         assert "the shipped catalog lists it as block (fp8)" in err and found in err, err
+
+
+def test_a_tensor_static_upload_is_fetched_as_tensor_static_and_never_as_tensor(tmp_path, llama_dir, monkeypatch):
+    """What `fp8kit publish --scheme tensor-static` registers: its config.json declares per-tensor weights with static
+    activation scales, which ensure() read as `tensor` and refused; listed as `tensor`, the same upload passed."""
+    pytest.importorskip("llmcompressor")
+    from fp8kit import convert
+
+    from fp8kit.models import add_tokenizer
+
+    src = tmp_path / "tiny"
+    shutil.copytree(llama_dir, src)
+    add_tokenizer(src, " ".join(f"Sentence {i} tells the quick brown fox to jump." for i in range(120)))
+    static = tmp_path / "static"
+    convert(src, static, scheme="tensor-static")
+    cached_repo(tmp_path / "hub", "me/tiny-FP8-Tensor-Static", static)
+    cached_repo(tmp_path / "hub", "me/tiny-FP8-Tensor", static)
+    overlay = tmp_path / "overlay.toml"
+    overlay.write_text("".join(f'[[variant]]\nrepo_id = "me/tiny-FP8-{name}"\nfamily = "tiny"\nscheme = "{scheme}"\n'
+                               f'format = "compressed-tensors"\nserves = ["{scheme}"]\nbase = ["org/tiny"]\n'
+                               for name, scheme in (("Tensor-Static", "tensor-static"), ("Tensor", "tensor"))))
+    monkeypatch.setenv("FP8KIT_REGISTRY", str(overlay))
+    proc = ensure_proc(tmp_path, "me/tiny-FP8-Tensor-Static", "auto")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert out.strip().endswith(f"models--me--tiny-FP8-Tensor-Static/snapshots/{COMMIT}")
+    proc = ensure_proc(tmp_path, "org/tiny", "tensor")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, err
+    assert ("the registry overlay (FP8KIT_REGISTRY) lists it as tensor (compressed-tensors), but its config.json "
+            "declares tensor-static (compressed-tensors)") in err, err
 
 
 def test_ensure_converts_once_even_when_raced(tmp_path, llama_dir):
@@ -407,6 +446,9 @@ def test_cache_rm_leaves_a_conversion_that_is_running(tmp_path):
 @pytest.mark.parametrize("field,value,needle", [
     ("repo_id", "me/M-FP8\\n", "repo_id"), ("repo_id", "me/..", "repo_id"), ("base", "[\"me/a--b\"]", "base"),
     ("serves", "[\"block\"]", "does not fit scheme 'dynamic'"), ("format", "\"fp8\"", "does not hold scheme"),
+    # static activation scales answer no dynamic request (the GRPO runtime refuses them), nor come in the fp8 format
+    ("scheme", "tensor-static", "serves ['dynamic'] does not fit scheme 'tensor-static'; list 'tensor-static' and "
+                                "at most nothing else"),
 ])
 def test_overlay_entries_the_hub_or_the_schemes_cannot_honour_are_refused(tmp_path, field, value, needle):
     fields = {"repo_id": '"me/M-FP8"', "family": '"m"', "scheme": '"dynamic"', "format": '"compressed-tensors"',
@@ -414,8 +456,14 @@ def test_overlay_entries_the_hub_or_the_schemes_cannot_honour_are_refused(tmp_pa
     fields[field] = value if value.startswith(("[", '"')) else f'"{value}"'
     overlay = tmp_path / "overlay.toml"
     overlay.write_text("[[variant]]\n" + "".join(f"{k} = {v}\n" for k, v in fields.items()))
-    with pytest.raises(Fp8kitError, match=f"{overlay}:1: .*{needle}"):
+    with pytest.raises(Fp8kitError, match=f"{overlay}:1: .*{re.escape(needle)}"):
         load()
+    if field == "scheme":
+        overlay.write_text(overlay.read_text().replace('["dynamic"]', '["tensor-static"]'))
+        assert [v.scheme for v in load() if v.repo_id == "me/M-FP8"] == ["tensor-static"]
+        overlay.write_text(overlay.read_text().replace('"compressed-tensors"', '"fp8"'))
+        with pytest.raises(Fp8kitError, match="format 'fp8' does not hold scheme 'tensor-static'"):
+            load()
 
 
 def test_inline_overlay_arrays_name_the_entry_not_a_wrong_line(tmp_path):

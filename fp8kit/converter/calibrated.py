@@ -31,8 +31,8 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
     visible (llmcompressor.utils.dev.get_main_device), so "cpu" is refused on a machine with one."""
     import torch
 
-    from fp8kit.converter.streaming import (ConvertReport, check_all_finite, parse_size, peak_rss_bytes, read_source,
-                                            resolve_device)
+    from fp8kit.converter.streaming import (ConvertReport, abandoned_warnings, check_all_finite, parse_size,
+                                            peak_rss_bytes, read_source, resolve_device)
 
     start = time.perf_counter()
     dev = resolve_device(device)
@@ -105,7 +105,8 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig()
-    with atomic_directory(out, overwrite) as partial:
+    abandoned = []
+    with atomic_directory(out, overwrite, abandoned) as partial:
         model.save_pretrained(partial, save_compressed=True, max_shard_size=shard_bytes)
         generation = src_path / "generation_config.json"
         if generation.is_file():
@@ -136,7 +137,8 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
         quantized=quantized, ignored=ignored, bytes_in=sum(t.nbytes for t in tensors.values()),
         bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
         peak_rss_bytes=peak_rss_bytes(), peak_gpu_bytes=None, files=files,
-        warnings=warnings + [f"calibrated on {len(samples)} sequences from {calibration.name}"],
+        warnings=warnings + [f"calibrated on {len(samples)} sequences from {calibration.name}"]
+        + abandoned_warnings(abandoned),
         unmatched_ignore=sel.unmatched_ignore)
 
 

@@ -2,13 +2,18 @@
 
 Everything is written into a fresh folder beside OUT (same filesystem, so the final rename is
 atomic) and renamed into place at the end; on any failure, Ctrl-C and SIGTERM included, only that folder is
-removed.
+removed. A run killed outright (SIGKILL, the OOM killer, a power cut) cannot remove its folder: the next run into
+the same OUT does, knowing it abandoned by the lock its writer held on a file inside it (the kernel releases a
+lock when its holder dies, whatever killed it; a process id would not tell another container's live writer on a
+shared volume from a dead one). Where a filesystem's locks are local to each machine (NFS mounted with
+local_lock=flock), two machines converting into one OUT at once do not see each other's lock.
 Nothing the user owns is ever deleted in its place, and an existing OUT is replaced only when asked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import re
 import secrets
@@ -106,33 +111,98 @@ def sigterm_as_interrupt():
         _raised.clear()
 
 
+WRITING = ".fp8kit-writing"  # inside a partial folder, locked by its writer until the folder is renamed
+
+
 @contextlib.contextmanager
-def atomic_directory(out: Path, overwrite: bool):
+def atomic_directory(out: Path, overwrite: bool, removed: list | None = None):
     """Yields the folder to fill; on a clean exit it becomes OUT (replacing OUT only with `overwrite`).
     Parent folders it had to create are removed again on failure (only while they are empty). SIGTERM counts as
-    Ctrl-C meanwhile (sigterm_as_interrupt), in the library as in the command line."""
+    Ctrl-C meanwhile (sigterm_as_interrupt), in the library as in the command line. Partial folders of OUT that a
+    killed run left are removed first; `removed` gets (folder, bytes) for each."""
     with sigterm_as_interrupt():
-        with _atomic_directory(out, overwrite) as partial:
+        with _atomic_directory(out, overwrite, removed) as partial:
             yield partial
 
 
+def _try_lock(fd: int) -> bool:
+    """An exclusive lock on the open file, without waiting; False where it cannot be had: held by another, or a
+    platform (no fcntl) or filesystem without locks."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+def _hold_writing_lock(partial: Path, held: list) -> None:
+    """Opens and locks the WRITING file of a folder this process is filling, its fd appended to `held` (closed, so
+    unlocked, once the folder is renamed). Locked under another name and then renamed: no other run ever sees it
+    unlocked. Where no lock can be had there is no WRITING file, and the folder is never taken for abandoned."""
+    unlocked = partial / f"{WRITING}.{secrets.token_hex(4)}"
+    held.append(os.open(unlocked, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    if _try_lock(held[-1]):
+        os.rename(unlocked, partial / WRITING)
+    else:
+        unlocked.unlink()
+
+
+def remove_abandoned(out: Path) -> list[tuple[Path, int]]:
+    """Remove the partial folders of `out` whose writer is gone: those holding a WRITING file that no process holds
+    locked. A folder without one (an older fp8kit's, or one being made or renamed this instant) is left alone."""
+    removed = []
+    for folder in sorted(out.parent.glob(f".{glob.escape(out.name)}.partial-*")):
+        if folder.is_symlink() or not folder.is_dir():
+            continue
+        try:
+            fd = os.open(folder / WRITING, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            # alive, or finished between the open and the lock (its WRITING unlinked, its folder renamed to OUT)
+            if not _try_lock(fd) or not (folder / WRITING).exists():
+                continue
+            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+            # WRITING last: a removal cut short leaves a folder the next run still knows abandoned
+            for child in folder.iterdir():
+                if child.name != WRITING:
+                    shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+            (folder / WRITING).unlink()
+            folder.rmdir()
+            removed.append((folder, size))
+        except OSError:  # removed meanwhile by another run, or not ours to remove
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
 @contextlib.contextmanager
-def _atomic_directory(out: Path, overwrite: bool):
+def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None):
     made = [p for p in reversed(out.parents) if not p.exists()]  # outermost first
     # The folder is named before it is made and made inside the try: a Ctrl-C or SIGTERM landing right after the
     # mkdir (tempfile.mkdtemp returns the name only afterwards) still finds it in the finally below.
     partial = old = None
+    writing = []  # the fd of partial's WRITING file, locked while this process fills it
     ok = False
     raise_swallowed_interrupt()  # one that came while torch was imported
     try:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
+            abandoned = remove_abandoned(out)  # before this run's folder: a killed run's may hold the disk it needs
+            if removed is not None:
+                removed.extend(abandoned)
             made_partial = False
             while not made_partial:
                 partial = out.parent / f".{out.name}.partial-{secrets.token_hex(8)}"
                 with contextlib.suppress(FileExistsError):
                     partial.mkdir()  # the umask's mode, not mkdtemp's 0700 that would lock a vLLM server out
                     made_partial = True
+            _hold_writing_lock(partial, writing)
         except OSError as e:
             _remove_empty(made)  # before naming the folder to make writable: the one that existed
             nearest = next((p for p in out.parents if p.exists()), None)  # the folder OUT would be made in
@@ -143,6 +213,7 @@ def _atomic_directory(out: Path, overwrite: bool):
                               f"or make {nearest or out.parent} writable") from e
         yield partial
         raise_swallowed_interrupt()  # one that came while a module was imported along the way: OUT is not made
+        (partial / WRITING).unlink(missing_ok=True)  # still locked through `writing` until the rename
         _modes_from_umask(partial)
         with interrupts_deferred():  # OUT is never left moved aside with the new folder not yet in its place
             if out.exists() and overwrite:
@@ -158,6 +229,8 @@ def _atomic_directory(out: Path, overwrite: bool):
             raise
         raise Fp8kitError(f"{out}: cannot write ({reason}); free disk space or choose another OUT") from e
     finally:
+        for fd in writing:  # unlocked first: a cleanup cut short leaves a folder the next run removes
+            os.close(fd)
         for folder in (partial, old):
             if folder is not None and folder.exists():
                 shutil.rmtree(folder, ignore_errors=True)

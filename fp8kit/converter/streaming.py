@@ -185,6 +185,12 @@ def _tied(config: dict, src: Path) -> bool:
         return True
 
 
+def abandoned_warnings(abandoned: list[tuple[Path, int]]) -> list[str]:
+    """The report's line for each partial folder of OUT that a killed run had left, and this one removed."""
+    return [f"removed {folder.name} ({size / 2**30:.2f} GiB), left beside OUT by a conversion that was killed"
+            for folder, size in abandoned]
+
+
 def check_all_finite(tensors: dict[str, TensorInfo]) -> None:
     """Every float tensor read once, piece by piece: for schemes that load the model whole (tensor-static), whose
     quantization would otherwise turn one NaN into NaN scales and weights without a word."""
@@ -458,8 +464,9 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
 
     bar = tqdm(total=bytes_in, unit="B", unit_scale=True, unit_divisor=1024, desc=f"fp8-convert {scheme}",
                disable=not progress, leave=False)
+    abandoned = []
     try:
-        with atomic_directory(out, overwrite) as partial:
+        with atomic_directory(out, overwrite, abandoned) as partial:
             for name, shard in zip(names, shards):
                 try:
                     _write_shard(partial / name, shard, inputs, spec, dev, bar.update)
@@ -485,6 +492,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
         inputs.close()
 
     files = source.folder_files(out)
+    warnings += abandoned_warnings(abandoned)
     return ConvertReport(
         src=str(src), out=str(out), scheme=scheme, format=format, device=str(dev),
         quantized=sel.quantize, ignored=ignore_list(sel.keep, lm_head),  # by checkpoint name (the config adds loaded ones)

@@ -15,6 +15,10 @@ SCHEME_TEXT = {
              "Qwen3-FP8); activations are quantized per 1x128 group at run time.",
     "tensor": "**FP8 per-tensor**: float8_e4m3fn weights with one scale per tensor; activations are quantized "
               "per token at run time.",
+    "tensor-static": "**FP8 per-tensor, static activations** (llm-compressor's `FP8` scheme): float8_e4m3fn weights "
+                     "with one scale per tensor, and one activation scale per layer calibrated ahead of time, so no "
+                     "activation scale is computed at run time: vLLM's fastest FP8 layout. Activations past the "
+                     "calibrated range are clipped.",
 }
 FORMAT_TEXT = {
     "compressed-tensors": "`compressed-tensors` (`weight_scale` beside each weight)",
@@ -77,6 +81,14 @@ def _kept_text(kept: list[str], fmt: str, options: dict) -> str:
             f"precision too (`quantization_config.{key}`), e.g. `{kept[0]}`.")
 
 
+def _static_text(scheme: str, options: dict) -> str:
+    if scheme != "tensor-static":
+        return ""
+    return (f" The activation scales were calibrated on {options['calibration']['file']}. For RL, whose trainer "
+            f"quantizes activations per token (`fp8kit.rl.load_model`), use the dynamic or tensor variant: rollouts "
+            f"with these static scales would not match the trainer's log-probabilities.")
+
+
 def _kv_cache_text(options: dict) -> str:
     if not options.get("kv_cache"):
         return ""
@@ -102,7 +114,7 @@ def build_card(repo_id: str, base_model: str, scheme: str, fmt: str, metrics: di
 
 FP8 weights of [{base_model}](https://huggingface.co/{base_model}), made with fp8kit {__version__}.
 
-{SCHEME_TEXT[scheme]} Format: {FORMAT_TEXT[fmt]}. {_kept_text(list(kept), fmt, options or {})}{_kv_cache_text(options or {})}
+{SCHEME_TEXT[scheme]}{_static_text(scheme, options or {})} Format: {FORMAT_TEXT[fmt]}. {_kept_text(list(kept), fmt, options or {})}{_kv_cache_text(options or {})}
 
 ## Validation
 

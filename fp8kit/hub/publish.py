@@ -24,7 +24,8 @@ from pathlib import Path
 from fp8kit.errors import Fp8kitError
 
 PROVENANCE = "fp8kit.json"
-SCHEMES = ("dynamic", "block", "tensor")
+SCHEMES = ("dynamic", "block", "tensor", "tensor-static")
+SCHEME_NAMES = "dynamic, block, tensor or tensor-static"
 
 
 def json_safe(value):
@@ -77,6 +78,9 @@ def check_format(fmt, schemes, where: str = "--format") -> None:
     if bad == "dynamic":
         raise Fp8kitError(f"{where} {fmt}: has no per-channel layout; publish dynamic in the compressed-tensors "
                           f"format separately, or drop it")
+    if bad == "tensor-static":
+        raise Fp8kitError(f"{where} {fmt}: tensor-static is written in the compressed-tensors format only (as "
+                          f"llm-compressor writes it); publish it in that format separately, or drop it")
     if bad == "tensor":
         raise Fp8kitError(f"{where} {fmt}: its per-tensor scales are not read by transformers, so the variant cannot be "
                           f"validated; publish tensor in the compressed-tensors format separately, or drop it "
@@ -125,9 +129,11 @@ def check_repo_template(template, where: str = "--repo-template") -> None:
 
 
 def repo_id_for(template: str, org: str, base_model: str, scheme: str) -> str:
-    """`template` filled in; publish() has refused a malformed one with check_repo_template."""
+    """`template` filled in; publish() has refused a malformed one with check_repo_template. {Scheme} capitalizes each
+    part: Dynamic, Tensor-Static."""
     name = base_model.split("/")[-1]
-    repo_id = template.format(org=org, name=name, scheme=scheme, Scheme=scheme.capitalize())
+    title = "-".join(part.capitalize() for part in scheme.split("-"))
+    repo_id = template.format(org=org, name=name, scheme=scheme, Scheme=title)
     if repo_id.count("/") != 1:
         raise Fp8kitError(f"--repo-template {template!r} gives {repo_id!r}, not org/name")
     return repo_id
@@ -276,10 +282,9 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     are the plain conversions that `resolve` hands out."""
     from fp8kit import __version__
     from fp8kit.converter import convert, source
-    from fp8kit.converter.streaming import check_options
     from fp8kit.quality import quiet
     from fp8kit.hub.card import build_card, kept_layers, source_terms
-    from fp8kit.hub.validate import validate
+    from fp8kit.hub.validate import sample_ids, validate
     from fp8kit.converter.output import sigterm_as_interrupt
     from fp8kit.registry.cache import cached_conversion
     from fp8kit.registry.catalog import is_repo_name
@@ -294,12 +299,12 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         raise Fp8kitError(f"--base-model {base_model!r}: expected a Hub repo id ORG/NAME")
     for scheme in schemes:
         if scheme not in SCHEMES:
-            raise Fp8kitError(f"--scheme {scheme!r}: expected dynamic, block or tensor")
+            raise Fp8kitError(f"--scheme {scheme!r}: expected {SCHEME_NAMES}")
     check_format(fmt, schemes)
     ignore = list(ignore)
-    for scheme in schemes:
-        check_options(scheme, fmt, ignore, lm_head, kv_cache, calibration)
-    options = conversion_options(kv_cache, calibration, lm_head, ignore)  # reads the calibration text now
+    check_variant_options(schemes, fmt, ignore, lm_head, kv_cache, calibration)
+    # each variant's options as fp8kit.json records them; reads the calibration text now
+    options_of = {scheme: conversion_options(kv_cache, calibration, lm_head, ignore, scheme) for scheme in schemes}
     check_repo_template(repo_template)
     check_max_kl(max_kl)
     if not create_pr:  # a broken or unwritable overlay found now, not after an upload (a dry run: see _check_overlay)
@@ -325,6 +330,12 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
             _check_registered_schemes(schemes, fmt, repo_template, org, base_model)
         src_dir = source.resolve(src)
         terms = source_terms(src_dir)
+        try:  # a broken tokenizer is named before converting, not after
+            sample = sample_ids(src_dir)
+        except Fp8kitError:
+            raise
+        except Exception:  # noqa: BLE001 - no readable config.json, say: the variant's conversion names what is wrong
+            sample = None
     except Fp8kitError as e:
         e.repo_ids = repo_ids  # a plan reports the failed entry's variants under their repos (the token's user known)
         raise
@@ -337,7 +348,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
         return shlex.join(["fp8kit", "publish", str(src), "--base-model", base_model, "--scheme", scheme,
                            "--org", org, "--repo-template", repo_template]
                           + (["--format", fmt] if fmt != "compressed-tensors" else [])
-                          + convert_args(kv_cache, calibration, lm_head, ignore)
+                          + convert_args(kv_cache, calibration, lm_head, ignore, scheme)
                           + (["--max-kl", repr(float(max_kl))] if max_kl is not None else []))
     # A staging folder of our own (no --staging) is removed when done, uploaded or not; a dry run keeps it only
     # when its report points there (something was staged and the run was not interrupted).
@@ -353,13 +364,15 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
                 staging_root.mkdir(mode=0o700)  # as tempfile.mkdtemp makes it
             for scheme, repo_id in zip(schemes, repo_ids):
                 own = None  # this call's conversion, removed once staged
+                options = options_of[scheme]
                 try:
                     step = "converting"
                     if options:
                         own = staging_root / f".{repo_id.replace('/', '--')}.conversion.{secrets.token_hex(4)}"
                         with quiet():  # transformers' loading bar, while calibrating: as quiet as the cache's
                             report = convert(src_dir, own, scheme=scheme, format=fmt, ignore=ignore,
-                                             lm_head=lm_head, kv_cache=kv_cache, calibration=calibration)
+                                             lm_head=lm_head, kv_cache=kv_cache,
+                                             calibration=calibration if calibrates(scheme, kv_cache) else None)
                         conversion = own
                         if report.unmatched_ignore:  # fp8-convert warns; the card would name it as keeping layers
                             raise Fp8kitError(f"{src}: --ignore {', '.join(map(repr, report.unmatched_ignore))} "
@@ -368,7 +381,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
                     else:
                         conversion = cached_conversion(str(src_dir) if local else src, scheme, fmt)
                     step = "validating"
-                    metrics = validate(src_dir, conversion)
+                    metrics = validate(src_dir, conversion, sample=sample)
                     kept = kept_layers(conversion)
                     card = build_card(repo_id, base_model, scheme, fmt, metrics, made_by(scheme), terms, kept, options)
                     provenance = {"tool": "fp8kit", "version": __version__, "base_model": base_model, "scheme": scheme,
@@ -410,24 +423,46 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     return results
 
 
-def convert_args(kv_cache: str | None, calibration: str | Path | None, lm_head: bool, ignore: list[str]) -> list[str]:
+def calibrates(scheme: str | None, kv_cache: str | None) -> bool:
+    """Whether a variant runs the model over calibration text: tensor-static's activation scales, --kv-cache's."""
+    return scheme == "tensor-static" or bool(kv_cache)
+
+
+def check_variant_options(schemes, fmt, ignore, lm_head, kv_cache, calibration) -> None:
+    """fp8-convert's checks of each variant's options; --calibration is given to the variants that calibrate, and
+    refused (fp8-convert's line) where none does."""
+    from fp8kit.converter.streaming import check_options
+
+    for scheme in schemes:
+        check_options(scheme, fmt, ignore, lm_head, kv_cache, calibration if calibrates(scheme, kv_cache) else None)
+    if calibration is not None and not any(calibrates(s, kv_cache) for s in schemes):
+        check_options(schemes[0], fmt, ignore, lm_head, kv_cache, calibration)
+
+
+def convert_args(kv_cache: str | None, calibration: str | Path | None, lm_head: bool, ignore: list[str],
+                 scheme: str | None = None) -> list[str]:
     """fp8-convert's options as its command line gives them; the calibration file by its name: the host's path means
-    nothing to a reader of the card (fp8kit.json has its sha256)."""
+    nothing to a reader of the card (fp8kit.json has its sha256). `scheme`: the variant's (tensor-static calibrates);
+    None for an entry of several."""
     return ((["--kv-cache", kv_cache] if kv_cache else [])
-            + (["--calibration", Path(calibration).name] if calibration and kv_cache else [])
+            + (["--calibration", Path(calibration).name] if calibration and calibrates(scheme, kv_cache) else [])
             + (["--lm-head"] if lm_head else [])
             + [arg for pattern in ignore for arg in ("--ignore", pattern)])
 
 
-def conversion_options(kv_cache: str | None, calibration: str | Path | None, lm_head: bool, ignore: list[str]) -> dict:
+def conversion_options(kv_cache: str | None, calibration: str | Path | None, lm_head: bool, ignore: list[str],
+                       scheme: str | None = None) -> dict:
     """fp8-convert's options a variant was made with, as fp8kit.json records them and the card describes them (empty
-    for a plain conversion): the calibration text by its file name and sha256."""
+    for a plain conversion, which the registry's cache holds): the calibration text by its file name and sha256.
+    `scheme`: the variant's (tensor-static is always calibrated, on the shipped sample by default); None for an entry
+    of several, whose calibration text is recorded when any calibrates."""
     from fp8kit.converter.calibration import DEFAULT_CALIBRATION, read_calibration
 
     options = {}
     if kv_cache:
-        path, _ = read_calibration(calibration)  # as the conversion reads it: one line where it cannot
         options["kv_cache"] = kv_cache
+    if calibrates(scheme, kv_cache):
+        path, _ = read_calibration(calibration)  # as the conversion reads it: one line where it cannot
         options["calibration"] = {"file": f"{path.name} (shipped with fp8kit)" if path == DEFAULT_CALIBRATION
                                   else path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     if lm_head:
@@ -569,7 +604,7 @@ def _check_plan_field(where: str, key: str, value) -> None:
                               f"schemes = [\"dynamic\", \"block\"] (not {value!r})")
         bad = [s for s in value if s not in SCHEMES]
         if bad:
-            raise Fp8kitError(f"{where}: 'schemes' has {bad[0]!r}; use dynamic, block or tensor")
+            raise Fp8kitError(f"{where}: 'schemes' has {bad[0]!r}; use {SCHEME_NAMES}")
     if key == "repo_template":
         check_repo_template(value, f"{where}: 'repo_template'")
     if key == "format" and value not in FORMATS:

@@ -53,10 +53,13 @@ def _logits(path: Path, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return logits
 
 
-def validate(src: str | Path, fp8: str | Path, dtype: torch.dtype = torch.float32, max_tokens: int = 512) -> dict:
-    """One model at a time in memory: the source's logits first, then the FP8 model's."""
+def validate(src: str | Path, fp8: str | Path, dtype: torch.dtype = torch.float32, max_tokens: int = 512,
+             sample: tuple[torch.Tensor, str] | None = None) -> dict:
+    """One model at a time in memory: the source's logits first, then the FP8 model's. `sample`: sample_ids(src)'s
+    answer when the caller has it already (publish reads the tokenizer before converting: a broken one is named
+    before the work, not after)."""
     src, fp8 = Path(src), Path(fp8)
-    ids, tokens = sample_ids(src, max_tokens)
+    ids, tokens = sample if sample is not None else sample_ids(src, max_tokens)
     ref = _logits(src, ids, dtype)
     got = _logits(fp8, ids, dtype)
     drift = logit_drift(ref, got)

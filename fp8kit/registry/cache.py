@@ -124,7 +124,7 @@ def ensure(name: str, scheme: str = "auto") -> Path:
 def check_upload(path: Path, answer) -> None:
     """The upload holds what its registry entry says: a block upload listed as dynamic, or one without any
     quantization_config, would be handed out as something it is not."""
-    from fp8kit.quality import scheme_of
+    from fp8kit.quality import scheme_of, static_activations
 
     where = "the shipped catalog" if answer.source == "catalog" else "the registry overlay (FP8KIT_REGISTRY)"
     listed = f"{answer.variant_scheme} ({answer.format})"
@@ -139,7 +139,10 @@ def check_upload(path: Path, answer) -> None:
         found = "torchao (torchao)"
     else:
         try:
-            found = f"{scheme_of(qc)} ({method})"
+            scheme = scheme_of(qc)
+            # static activation scales (what `fp8kit publish --scheme tensor-static` uploads) are not `tensor`: the
+            # GRPO runtime, which asks for dynamic or tensor, refuses them
+            found = f"{'tensor-static' if scheme == 'tensor' and static_activations(qc) else scheme} ({method})"
         except Fp8kitError:
             found = f"a quantization_config fp8kit does not read (quant_method {method!r})"
     if found != listed:

@@ -20,13 +20,14 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 SHIPPED = Path(__file__).with_name("catalog.toml")
-SCHEMES = ("dynamic", "block", "tensor", "torchao")
+SCHEMES = ("dynamic", "block", "tensor", "tensor-static", "torchao")
 FORMATS = ("compressed-tensors", "fp8", "torchao")
 FIELDS = {"repo_id": str, "family": str, "scheme": str, "format": str, "serves": list, "base": list}
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # which formats hold which schemes (fp8's per-channel layout is not one vLLM reads), and what a variant may serve
 SCHEME_FORMATS = {"dynamic": ("compressed-tensors",), "block": ("compressed-tensors", "fp8"),
-                  "tensor": ("compressed-tensors", "fp8"), "torchao": ("torchao",)}
+                  "tensor": ("compressed-tensors", "fp8"), "tensor-static": ("compressed-tensors",),
+                  "torchao": ("torchao",)}
 
 
 def is_repo_name(text) -> bool:
@@ -97,8 +98,9 @@ def _validate(raw: dict, where: str, source: str) -> Variant:
     if bad or not raw["serves"]:
         raise Fp8kitError(f"{where}: serves must list schemes from {', '.join(SCHEMES)}")
     # a variant answers its own scheme; a block or tensor upload may also answer "dynamic" (Qwen's block uploads
-    # do), but no FP8 upload answers torchao or a finer scheme than its own
-    allowed = {"torchao"} if raw["scheme"] == "torchao" else {raw["scheme"], "dynamic"}
+    # do), but no FP8 upload answers torchao or a finer scheme than its own, and a tensor-static one nothing else:
+    # the GRPO runtime, which asks for dynamic, refuses static activation scales
+    allowed = ({raw["scheme"]} if raw["scheme"] in ("torchao", "tensor-static") else {raw["scheme"], "dynamic"})
     if raw["scheme"] not in raw["serves"] or not set(raw["serves"]) <= allowed:
         raise Fp8kitError(f"{where}: serves {raw['serves']!r} does not fit scheme {raw['scheme']!r}; list "
                           f"{raw['scheme']!r} and at most {' and '.join(sorted(allowed - {raw['scheme']})) or 'nothing else'}")

@@ -422,17 +422,14 @@ def read_config(path: Path):
 
 
 def static_activation_scales(path: Path) -> bool:
-    """Whether the checkpoint quantizes activations with static scales (`tensor-static`, or `activation_scheme:
-    static` in the fp8 format): vLLM uses them, while fp8kit's layers quantize activations dynamically, per token."""
+    """fp8kit.quality.static_activations of the checkpoint's quantization_config."""
+    from fp8kit.quality import static_activations
+
     try:
         qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
     except (OSError, ValueError, AttributeError):
         return False
-    if qc.get("quant_method") == "fp8":
-        return qc.get("activation_scheme") == "static"
-    groups = qc.get("config_groups") if isinstance(qc.get("config_groups"), dict) else {}
-    return any(isinstance(g, dict) and isinstance(g.get("input_activations"), dict)
-               and g["input_activations"].get("dynamic") is False for g in groups.values())
+    return static_activations(qc)
 
 
 def load_fp8_model(path_or_name: str | Path, dtype: torch.dtype = torch.bfloat16, lora_rank: int = 16,
