@@ -173,7 +173,7 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
                                  max_shard_size=max_shard_size, overwrite=overwrite, progress=sys.stderr.isatty(),
                                  calibration=calibration, lm_head=lm_head, kv_cache=kv_cache)
             if lock is not None and not (ignore or lm_head or kv_cache or calibration) and \
-                    scheme in ("dynamic", "block", "tensor"):
+                    scheme in ("dynamic", "block", "tensor", "tensor-static"):  # tensor-static: the shipped sample
                 record_conversion(src, out, scheme, fmt, report.seconds)  # ensure() then uses it as its own
         finally:
             if lock is not None:
@@ -222,8 +222,10 @@ main.add_command(fp8_convert)
 
 @main.command("resolve")
 @click.argument("name")
-@click.option("--scheme", type=click.Choice(["auto", "dynamic", "block", "tensor"]), default="auto", show_default=True,
-              help="auto: dynamic where this machine has row-wise FP8 GEMMs (SM89+), else block.")
+@click.option("--scheme", type=click.Choice(["auto", "dynamic", "block", "tensor", "tensor-static"]), default="auto",
+              show_default=True, help="auto: dynamic where this machine has row-wise FP8 GEMMs (SM89+), else block. "
+                                      "tensor-static converts with calibrated static activation scales (llm-compressor, "
+                                      "the shipped calibration sample).")
 @click.option("--json", "as_json", is_flag=True)
 def resolve_cmd(name, scheme, as_json):
     """Which FP8 weights NAME gets: a pre-quantized upload, or the conversion that will run."""

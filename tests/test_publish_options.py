@@ -335,6 +335,25 @@ def test_tensor_static_is_published_with_its_calibration_beside_a_plain_variant(
     assert sum(1 for m, p in hub.requests if "/commit/" in p) == commits
 
 
+def test_tensor_static_on_the_shipped_sample_is_the_cache_s_conversion(tmp_path, hub, src):
+    """Without --calibration, tensor-static is what `ensure(name, "tensor-static")` makes: converted into the registry's
+    cache once, so a re-run (an upload that failed, say) does not calibrate again."""
+    pytest.importorskip("llmcompressor")
+    args = [src, "--base-model", "org/tiny", "--scheme", "tensor-static", "--json"]
+    proc = publish(tmp_path, hub, *args)
+    assert proc.returncode == 0, proc.stderr
+    repo = "tester/tiny-FP8-Tensor-Static"
+    assert results(proc)[repo]["status"] == "uploaded"
+    assert json.loads(hub.file(repo, "fp8kit.json"))["calibration"]["file"] == "sample.txt (shipped with fp8kit)"
+    (entry,) = [p for p in (tmp_path / "fp8cache").glob("*/*/tensor-static-compressed-tensors-*") if p.is_dir()]
+    marker = (entry / "fp8kit-entry.json").stat().st_mtime_ns
+    proc = publish(tmp_path, hub, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert results(proc)[repo]["status"] == "unchanged"
+    assert (entry / "fp8kit-entry.json").stat().st_mtime_ns == marker  # not converted again
+    assert len((tmp_path / "fp8cache" / "conversions.log").read_text().splitlines()) == 1
+
+
 def test_tensor_static_is_compressed_tensors_only(tmp_path, src, isolated):
     result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--org", "me", "--dry-run",
                                        "--format", "fp8", "--scheme", "block", "--scheme", "tensor-static"])

@@ -257,11 +257,39 @@ def test_a_tensor_static_upload_is_fetched_as_tensor_static_and_never_as_tensor(
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert out.strip().endswith(f"models--me--tiny-FP8-Tensor-Static/snapshots/{COMMIT}")
+    proc = ensure_proc(tmp_path, "org/tiny", "tensor-static")  # the base name asks for it by scheme
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out.strip().endswith(f"models--me--tiny-FP8-Tensor-Static/snapshots/{COMMIT}"), err
     proc = ensure_proc(tmp_path, "org/tiny", "tensor")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0, err
     assert ("the registry overlay (FP8KIT_REGISTRY) lists it as tensor (compressed-tensors), but its config.json "
             "declares tensor-static (compressed-tensors)") in err, err
+
+
+def test_tensor_static_is_converted_once_and_cached_with_the_shipped_sample(tmp_path, llama_dir):
+    """`resolve --scheme tensor-static` without an upload plans the conversion (calibrated on the shipped sample), and
+    ensure() makes it once: the fastest vLLM layout by name, as the other schemes are."""
+    pytest.importorskip("llmcompressor")
+    from fp8kit.models import add_tokenizer
+    from fp8kit.quality import static_activations
+    from fp8kit.registry import ensure
+
+    src = tmp_path / "tiny"
+    shutil.copytree(llama_dir, src)
+    add_tokenizer(src, " ".join(f"Sentence {i} tells the quick brown fox to jump." for i in range(120)))
+    result = CliRunner().invoke(main, ["resolve", str(src), "--scheme", "tensor-static"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"no upload for {src} (tensor-static); will convert and cache:")
+    assert "--scheme tensor-static" in result.stdout
+    entry = ensure(str(src), "tensor-static")
+    assert entry.name.startswith("tensor-static-compressed-tensors-fp8kit")
+    assert static_activations(json.loads((entry / "config.json").read_text())["quantization_config"])
+    assert ensure(str(src), "tensor-static") == entry  # cached: not converted again
+    log = (tmp_path / "fp8cache" / "conversions.log").read_text().splitlines()
+    assert len(log) == 1 and " tensor-static -> " in log[0], log
+    result = CliRunner().invoke(main, ["resolve", str(src), "--scheme", "tensor-static", "--json"])
+    assert json.loads(result.stdout)["cached"] is True and json.loads(result.stdout)["cache_dir"] == str(entry)
 
 
 def test_ensure_converts_once_even_when_raced(tmp_path, llama_dir):

@@ -279,7 +279,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
             lm_head: bool = False, ignore: list[str] | tuple[str, ...] = ()) -> list[PublishResult]:
     """`kv_cache`, `calibration`, `lm_head` and `ignore` are fp8-convert's options: a variant made with any of them
     is converted for this call (in the staging folder) instead of taken from the registry's cache, whose entries
-    are the plain conversions that `resolve` hands out."""
+    are the plain conversions that `resolve` hands out (tensor-static's calibrated on the shipped sample)."""
     from fp8kit import __version__
     from fp8kit.converter import convert, source
     from fp8kit.quality import quiet
@@ -367,7 +367,8 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
                 options = options_of[scheme]
                 try:
                     step = "converting"
-                    if options:
+                    # the registry's cache holds plain conversions, tensor-static's calibrated on the shipped sample
+                    if not from_cache(scheme, kv_cache, calibration, lm_head, ignore):
                         own = staging_root / f".{repo_id.replace('/', '--')}.conversion.{secrets.token_hex(4)}"
                         with quiet():  # transformers' loading bar, while calibrating: as quiet as the cache's
                             report = convert(src_dir, own, scheme=scheme, format=fmt, ignore=ignore,
@@ -426,6 +427,12 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
 def calibrates(scheme: str | None, kv_cache: str | None) -> bool:
     """Whether a variant runs the model over calibration text: tensor-static's activation scales, --kv-cache's."""
     return scheme == "tensor-static" or bool(kv_cache)
+
+
+def from_cache(scheme: str, kv_cache: str | None, calibration, lm_head: bool, ignore) -> bool:
+    """Whether a variant is the registry cache's conversion (`ensure(name, scheme)`'s): none of fp8-convert's options,
+    and for tensor-static no calibration text but the shipped sample."""
+    return not (kv_cache or lm_head or ignore) and (scheme != "tensor-static" or calibration is None)
 
 
 def check_variant_options(schemes, fmt, ignore, lm_head, kv_cache, calibration) -> None:

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 from fp8kit.registry import catalog
 from fp8kit.registry.catalog import Variant
 
-REQUESTS = ("auto", "dynamic", "block", "tensor")
+# tensor-static: per-tensor weights with static activation scales, calibrated on the shipped sample when converted
+REQUESTS = ("auto", "dynamic", "block", "tensor", "tensor-static")
 
 
 @dataclass(frozen=True)
