@@ -279,7 +279,7 @@ def registry_list(family, as_json):
         click.echo(json.dumps([v.to_dict() for v in variants], indent=2))
         return
     for v in variants:
-        click.echo(f"{v.repo_id:<56} {v.family:<18} {v.scheme:<8} {v.format:<19} {v.base[0]}"
+        click.echo(f"{v.repo_id:<56} {v.family:<18} {v.scheme:<13} {v.format:<19} {v.base[0]}"
                    + ("  [overlay]" if v.source == "overlay" else ""))
 
 
@@ -302,10 +302,10 @@ def cache_list(as_json):
         click.echo(json.dumps(rows + unfinished, indent=2))
         return
     for r in rows:
-        click.echo(f"{r['name'] or '?':<40} {r['scheme'] or '?':<8} {r['bytes'] / 1e9:7.2f} GB  "
+        click.echo(f"{r['name'] or '?':<40} {r['scheme'] or '?':<13} {r['bytes'] / 1e9:7.2f} GB  "
                    f"{'ok' if r['ok'] else 'BROKEN'}  {r['path']}")
     for r in unfinished:
-        click.echo(f"{r['name'] or '(unfinished conversion)':<40} {r['scheme'] or '?':<8} {r['bytes'] / 1e9:7.2f} GB  "
+        click.echo(f"{r['name'] or '(unfinished conversion)':<40} {r['scheme'] or '?':<13} {r['bytes'] / 1e9:7.2f} GB  "
                    f"UNFINISHED  {r['path']}")
     if unfinished:
         click.echo("UNFINISHED: a conversion in progress, or one killed outright; the next conversion of that model "
@@ -416,7 +416,7 @@ def publish(src, base_model, schemes, fmt, kv_cache, calibration, lm_head, ignor
         for r in results:
             size = sum(r.files.values()) / 1e9
             kl = f"{r.metrics['kl']:.2e}" if r.metrics else "-"
-            click.echo(f"{r.status:<10} {r.repo_id:<50} {r.scheme:<8} KL {kl:<9} {size * 1000:9.1f} MB  "
+            click.echo(f"{r.status:<10} {r.repo_id:<50} {r.scheme:<13} KL {kl:<9} {size * 1000:9.1f} MB  "
                        f"{r.url or r.staging or ''}{'  ' + r.error if r.error else ''}")
             if r.kept_in_source_precision:
                 why = "--ignore, or the scheme cannot take their shapes" if any(job["ignore"] for job in jobs) else \

@@ -253,6 +253,13 @@ def test_a_tensor_static_upload_is_fetched_as_tensor_static_and_never_as_tensor(
                                f'format = "compressed-tensors"\nserves = ["{scheme}"]\nbase = ["org/tiny"]\n'
                                for name, scheme in (("Tensor-Static", "tensor-static"), ("Tensor", "tensor"))))
     monkeypatch.setenv("FP8KIT_REGISTRY", str(overlay))
+    # the GRPO runtime with vLLM refuses it by name, before downloading it; its base is converted per channel
+    from fp8kit.errors import Fp8kitError
+    from fp8kit.rl.model import check_not_static_upload
+
+    with pytest.raises(Fp8kitError, match=r"^me/tiny-FP8-Tensor-Static: registered with static activation scales"):
+        check_not_static_upload("me/tiny-FP8-Tensor-Static", True)
+    check_not_static_upload("org/tiny", True)
     proc = ensure_proc(tmp_path, "me/tiny-FP8-Tensor-Static", "auto")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -474,7 +481,7 @@ def test_cache_rm_leaves_a_conversion_that_is_running(tmp_path):
 @pytest.mark.parametrize("field,value,needle", [
     ("repo_id", "me/M-FP8\\n", "repo_id"), ("repo_id", "me/..", "repo_id"), ("base", "[\"me/a--b\"]", "base"),
     ("serves", "[\"block\"]", "does not fit scheme 'dynamic'"), ("format", "\"fp8\"", "does not hold scheme"),
-    # static activation scales answer no dynamic request (the GRPO runtime refuses them), nor come in the fp8 format
+    # static activation scales answer no dynamic request (the GRPO runtime refuses them)
     ("scheme", "tensor-static", "serves ['dynamic'] does not fit scheme 'tensor-static'; list 'tensor-static' and "
                                 "at most nothing else"),
 ])
@@ -489,8 +496,10 @@ def test_overlay_entries_the_hub_or_the_schemes_cannot_honour_are_refused(tmp_pa
     if field == "scheme":
         overlay.write_text(overlay.read_text().replace('["dynamic"]', '["tensor-static"]'))
         assert [v.scheme for v in load() if v.repo_id == "me/M-FP8"] == ["tensor-static"]
-        overlay.write_text(overlay.read_text().replace('"compressed-tensors"', '"fp8"'))
-        with pytest.raises(Fp8kitError, match="format 'fp8' does not hold scheme 'tensor-static'"):
+        overlay.write_text(overlay.read_text().replace('"compressed-tensors"', '"fp8"'))  # activation_scheme static
+        assert [v.format for v in load() if v.repo_id == "me/M-FP8"] == ["fp8"]
+        overlay.write_text(overlay.read_text().replace('"fp8"', '"torchao"'))
+        with pytest.raises(Fp8kitError, match="format 'torchao' does not hold scheme 'tensor-static'"):
             load()
 
 

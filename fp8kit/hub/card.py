@@ -84,7 +84,8 @@ def _kept_text(kept: list[str], fmt: str, options: dict) -> str:
 def _static_text(scheme: str, options: dict) -> str:
     if scheme != "tensor-static":
         return ""
-    return (f" The activation scales were calibrated on {options['calibration']['file']}. For RL, whose trainer "
+    calibrated = f" on {options['calibration']['file']}" if options.get("calibration") else ""
+    return (f" The activation scales were calibrated{calibrated}. For RL, whose trainer "
             f"quantizes activations per token (`fp8kit.rl.load_model`), use the dynamic or tensor variant: rollouts "
             f"with these static scales would not match the trainer's log-probabilities.")
 

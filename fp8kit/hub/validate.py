@@ -35,7 +35,11 @@ def sample_ids(src: Path, max_tokens: int = 512, seed: int = 0) -> tuple[torch.T
         except Exception as e:  # noqa: BLE001 - which error depends on the files present and the packages installed
             raise Fp8kitError(f"{src}: its tokenizer does not load ({type(e).__name__}: {first_line(e)}); fix the "
                               f"tokenizer files ({', '.join(f for f in TOKENIZER_FILES if (src / f).exists())})") from e
-        ids = tokenizer(SAMPLE.read_text(), return_tensors="pt").input_ids[:, :max_tokens]
+        try:
+            ids = tokenizer(SAMPLE.read_text(), return_tensors="pt").input_ids[:, :max_tokens]
+        except Exception as e:  # noqa: BLE001 - a tokenizer that loads but cannot encode (a broken normalizer, say)
+            raise Fp8kitError(f"{src}: its tokenizer loads but fails on the validation sample ({type(e).__name__}: "
+                              f"{first_line(e)}); fix the tokenizer files") from e
         if isinstance(vocab, int) and ids.numel() and int(ids.max()) >= vocab:  # an IndexError in the embedding
             raise Fp8kitError(f"{src}: its tokenizer gives token id {int(ids.max())}, past the model's vocab_size "
                               f"{vocab}; the tokenizer files and the weights do not belong together")

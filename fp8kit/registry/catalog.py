@@ -26,7 +26,7 @@ FIELDS = {"repo_id": str, "family": str, "scheme": str, "format": str, "serves":
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # which formats hold which schemes (fp8's per-channel layout is not one vLLM reads), and what a variant may serve
 SCHEME_FORMATS = {"dynamic": ("compressed-tensors",), "block": ("compressed-tensors", "fp8"),
-                  "tensor": ("compressed-tensors", "fp8"), "tensor-static": ("compressed-tensors",),
+                  "tensor": ("compressed-tensors", "fp8"), "tensor-static": ("compressed-tensors", "fp8"),
                   "torchao": ("torchao",)}
 
 

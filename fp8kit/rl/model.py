@@ -82,6 +82,8 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
             raise Fp8kitError("target_modules 'lm_head': vLLM rollouts carry no LoRA on lm_head; leave it out, or pass "
                               "fast_inference=False")
     local = Path(name).expanduser()
+    if with_vllm and not local.is_dir() and load_in_fp8 is not False:
+        check_not_static_upload(str(name), load_in_fp8)  # before ensure() downloads it
     source_config, source_scheme = read_config(local) if local.is_dir() else (None, None)
     if local.is_dir() and source_scheme is None:  # an original to convert: its tokenizer before minutes of work
         _tokenizer(local)  # loaded, not just found: a broken one was blamed on the cached conversion's copy
@@ -187,6 +189,18 @@ def _generation_eos(path: Path) -> int | None:
         return None
     eos = eos[0] if isinstance(eos, list) and eos else eos
     return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
+
+
+def check_not_static_upload(name: str, load_in_fp8: bool | str) -> None:
+    """A name the registry answers with a tensor-static upload (its own name: `fp8kit publish --scheme tensor-static`
+    registers such repos) is refused for vLLM rollouts before it is downloaded, as the checkpoint would be after."""
+    from fp8kit.registry import resolve
+
+    answer = resolve(name, "block" if load_in_fp8 == "block" else "dynamic")
+    if answer.variant_scheme == "tensor-static":
+        raise Fp8kitError(f"{answer.repo_id}: registered with static activation scales (tensor-static): vLLM's rollouts "
+                          f"would quantize with them while the trainer quantizes per token, so their log-probabilities "
+                          f"would disagree; for GRPO load its base model (converted per channel) or a dynamic variant")
 
 
 def _checkpoint(name: str, load_in_fp8: bool | str) -> Path:
