@@ -354,6 +354,33 @@ def test_tensor_static_on_the_shipped_sample_is_the_cache_s_conversion(tmp_path,
     assert len((tmp_path / "fp8cache" / "conversions.log").read_text().splitlines()) == 1
 
 
+def test_a_tokenizer_that_loads_but_cannot_encode_is_one_line(tmp_path, src, monkeypatch):
+    """A tokenizer that loads and then raises on the sample (a broken normalizer, say) was a bare exception."""
+    import transformers
+
+    from fp8kit.errors import Fp8kitError
+    from fp8kit.hub.validate import sample_ids
+
+    def broken(text, **kwargs):
+        raise RuntimeError("normalizer failed")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path, **kwargs: broken)
+    with pytest.raises(Fp8kitError, match=f"^{src}: its tokenizer loads but fails on the validation sample "
+                                          r"\(RuntimeError: normalizer failed\)"):
+        sample_ids(src)
+
+
+def test_a_source_without_config_fails_its_variant_not_the_run(tmp_path, src, isolated):
+    """What sample_ids cannot read before converting (no config.json) is left to the conversion, which names it in
+    the variant's row; it was a FileNotFoundError traceback."""
+    (src / "config.json").unlink()
+    result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--scheme", "dynamic",
+                                       "--org", "me", "--dry-run", "--staging", str(tmp_path / "staging"), "--json"])
+    assert result.exit_code == 1, result.output
+    (row,) = json.loads(result.stdout)
+    assert row["status"] == "failed" and row["error"].startswith(f"{src / 'config.json'}: missing"), row
+
+
 def test_tensor_static_is_compressed_tensors_only(tmp_path, src, isolated):
     result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--org", "me", "--dry-run",
                                        "--format", "fp8", "--scheme", "block", "--scheme", "tensor-static"])

@@ -205,15 +205,31 @@ def ensure_proc(tmp_path, name, scheme):
                             stderr=subprocess.PIPE, text=True)
 
 
+def ensured(tmp_path, name, scheme) -> tuple[int, str, str]:
+    """ensure() in a fresh offline process: its exit status, stdout (the path) and stderr."""
+    proc = ensure_proc(tmp_path, name, scheme)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out.strip(), err
+
+
+@pytest.fixture
+def tiny_with_tokenizer(tmp_path, llama_dir):
+    """The tiny Llama with a tokenizer: tensor-static calibrates on text."""
+    from fp8kit.models import add_tokenizer
+
+    src = tmp_path / "tiny"
+    shutil.copytree(llama_dir, src)
+    add_tokenizer(src, " ".join(f"Sentence {i} tells the quick brown fox to jump." for i in range(120)))
+    return src
+
+
 def test_ensure_variant_from_offline_cache(tmp_path, block_fp8_upload):
     cached_repo(tmp_path / "hub", "unsloth/Qwen3-0.6B-FP8", block_fp8_upload)
-    proc = ensure_proc(tmp_path, "Qwen/Qwen3-0.6B", "block")
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    assert out.strip().endswith(f"models--unsloth--Qwen3-0.6B-FP8/snapshots/{COMMIT}")
-    proc = ensure_proc(tmp_path, "Qwen/Qwen3-1.7B", "block")  # a variant that is not in the cache
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0 and "unsloth/Qwen3-1.7B-FP8" in err and "HF_HUB_OFFLINE" in err
+    code, out, err = ensured(tmp_path, "Qwen/Qwen3-0.6B", "block")
+    assert code == 0, err
+    assert out.endswith(f"models--unsloth--Qwen3-0.6B-FP8/snapshots/{COMMIT}")
+    code, _, err = ensured(tmp_path, "Qwen/Qwen3-1.7B", "block")  # a variant that is not in the cache
+    assert code != 0 and "unsloth/Qwen3-1.7B-FP8" in err and "HF_HUB_OFFLINE" in err
 
 
 def test_an_upload_that_is_not_what_the_registry_lists_is_refused(tmp_path, llama_dir):
@@ -227,25 +243,20 @@ def test_an_upload_that_is_not_what_the_registry_lists_is_refused(tmp_path, llam
     cached_repo(tmp_path / "hub", "unsloth/Qwen3-1.7B-FP8", llama_dir)  # not quantized at all
     for name, found in (("Qwen/Qwen3-0.6B", "declares dynamic (compressed-tensors)"),
                         ("Qwen/Qwen3-1.7B", "declares no quantization_config")):
-        proc = ensure_proc(tmp_path, name, "block")
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode != 0 and "Fp8kitError: unsloth/Qwen3-" in err, err
+        code, _, err = ensured(tmp_path, name, "block")
+        assert code != 0 and "Fp8kitError: unsloth/Qwen3-" in err, err
         assert "the shipped catalog lists it as block (fp8)" in err and found in err, err
 
 
-def test_a_tensor_static_upload_is_fetched_as_tensor_static_and_never_as_tensor(tmp_path, llama_dir, monkeypatch):
+def test_a_tensor_static_upload_is_fetched_as_tensor_static_and_never_as_tensor(tmp_path, tiny_with_tokenizer,
+                                                                                 monkeypatch):
     """What `fp8kit publish --scheme tensor-static` registers: its config.json declares per-tensor weights with static
     activation scales, which ensure() read as `tensor` and refused; listed as `tensor`, the same upload passed."""
     pytest.importorskip("llmcompressor")
     from fp8kit import convert
 
-    from fp8kit.models import add_tokenizer
-
-    src = tmp_path / "tiny"
-    shutil.copytree(llama_dir, src)
-    add_tokenizer(src, " ".join(f"Sentence {i} tells the quick brown fox to jump." for i in range(120)))
     static = tmp_path / "static"
-    convert(src, static, scheme="tensor-static")
+    convert(tiny_with_tokenizer, static, scheme="tensor-static")
     cached_repo(tmp_path / "hub", "me/tiny-FP8-Tensor-Static", static)
     cached_repo(tmp_path / "hub", "me/tiny-FP8-Tensor", static)
     overlay = tmp_path / "overlay.toml"
@@ -260,31 +271,25 @@ def test_a_tensor_static_upload_is_fetched_as_tensor_static_and_never_as_tensor(
     with pytest.raises(Fp8kitError, match=r"^me/tiny-FP8-Tensor-Static: registered with static activation scales"):
         check_not_static_upload("me/tiny-FP8-Tensor-Static", True)
     check_not_static_upload("org/tiny", True)
-    proc = ensure_proc(tmp_path, "me/tiny-FP8-Tensor-Static", "auto")
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    assert out.strip().endswith(f"models--me--tiny-FP8-Tensor-Static/snapshots/{COMMIT}")
-    proc = ensure_proc(tmp_path, "org/tiny", "tensor-static")  # the base name asks for it by scheme
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and out.strip().endswith(f"models--me--tiny-FP8-Tensor-Static/snapshots/{COMMIT}"), err
-    proc = ensure_proc(tmp_path, "org/tiny", "tensor")
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0, err
+    upload = f"models--me--tiny-FP8-Tensor-Static/snapshots/{COMMIT}"
+    code, out, err = ensured(tmp_path, "me/tiny-FP8-Tensor-Static", "auto")
+    assert code == 0 and out.endswith(upload), err
+    code, out, err = ensured(tmp_path, "org/tiny", "tensor-static")  # the base name asks for it by scheme
+    assert code == 0 and out.endswith(upload), err
+    code, _, err = ensured(tmp_path, "org/tiny", "tensor")
+    assert code != 0, err
     assert ("the registry overlay (FP8KIT_REGISTRY) lists it as tensor (compressed-tensors), but its config.json "
             "declares tensor-static (compressed-tensors)") in err, err
 
 
-def test_tensor_static_is_converted_once_and_cached_with_the_shipped_sample(tmp_path, llama_dir):
+def test_tensor_static_is_converted_once_and_cached_with_the_shipped_sample(tmp_path, tiny_with_tokenizer):
     """`resolve --scheme tensor-static` without an upload plans the conversion (calibrated on the shipped sample), and
     ensure() makes it once: the fastest vLLM layout by name, as the other schemes are."""
     pytest.importorskip("llmcompressor")
-    from fp8kit.models import add_tokenizer
     from fp8kit.quality import static_activations
     from fp8kit.registry import ensure
 
-    src = tmp_path / "tiny"
-    shutil.copytree(llama_dir, src)
-    add_tokenizer(src, " ".join(f"Sentence {i} tells the quick brown fox to jump." for i in range(120)))
+    src = tiny_with_tokenizer
     result = CliRunner().invoke(main, ["resolve", str(src), "--scheme", "tensor-static"])
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith(f"no upload for {src} (tensor-static); will convert and cache:")

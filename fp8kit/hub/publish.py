@@ -424,7 +424,7 @@ def publish(src: str, schemes: list[str], base_model: str | None = None,
     return results
 
 
-def calibrates(scheme: str | None, kv_cache: str | None) -> bool:
+def calibrates(scheme: str, kv_cache: str | None) -> bool:
     """Whether a variant runs the model over calibration text: tensor-static's activation scales, --kv-cache's."""
     return scheme == "tensor-static" or bool(kv_cache)
 
@@ -447,10 +447,9 @@ def check_variant_options(schemes, fmt, ignore, lm_head, kv_cache, calibration) 
 
 
 def convert_args(kv_cache: str | None, calibration: str | Path | None, lm_head: bool, ignore: list[str],
-                 scheme: str | None = None) -> list[str]:
-    """fp8-convert's options as its command line gives them; the calibration file by its name: the host's path means
-    nothing to a reader of the card (fp8kit.json has its sha256). `scheme`: the variant's (tensor-static calibrates);
-    None for an entry of several."""
+                 scheme: str) -> list[str]:
+    """fp8-convert's options as its command line gives them for a variant of `scheme`; the calibration file by its
+    name: the host's path means nothing to a reader of the card (fp8kit.json has its sha256)."""
     return ((["--kv-cache", kv_cache] if kv_cache else [])
             + (["--calibration", Path(calibration).name] if calibration and calibrates(scheme, kv_cache) else [])
             + (["--lm-head"] if lm_head else [])
@@ -458,11 +457,10 @@ def convert_args(kv_cache: str | None, calibration: str | Path | None, lm_head: 
 
 
 def conversion_options(kv_cache: str | None, calibration: str | Path | None, lm_head: bool, ignore: list[str],
-                       scheme: str | None = None) -> dict:
-    """fp8-convert's options a variant was made with, as fp8kit.json records them and the card describes them (empty
-    for a plain conversion, which the registry's cache holds): the calibration text by its file name and sha256.
-    `scheme`: the variant's (tensor-static is always calibrated, on the shipped sample by default); None for an entry
-    of several, whose calibration text is recorded when any calibrates."""
+                       scheme: str) -> dict:
+    """fp8-convert's options a variant of `scheme` was made with, as fp8kit.json records them and the card describes
+    them (empty for a plain conversion): the calibration text by its file name and sha256 (tensor-static is always
+    calibrated, on the shipped sample by default)."""
     from fp8kit.converter.calibration import DEFAULT_CALIBRATION, read_calibration
 
     options = {}
