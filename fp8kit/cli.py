@@ -163,7 +163,7 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
                 except TimeoutError:  # filelock.Timeout
                     click.echo(f"waiting for another conversion of {out} to finish", err=True)
                     lock.acquire()
-                remove_unfinished(Path(out).expanduser().absolute())  # left by a killed one, as ensure() removes them
+                remove_unfinished(Path(out).expanduser().resolve())  # left by a killed one, as ensure() removes them
         except OSError as e:
             raise Fp8kitError(f"{out}: cannot write there ({e.strerror or e}); nothing was converted") from e
         try:

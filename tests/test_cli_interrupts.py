@@ -262,6 +262,79 @@ def test_where_no_lock_can_be_had_a_partial_folder_is_never_taken_for_abandoned(
     assert [f.name for f in out.iterdir()] == ["a.txt"]
 
 
+def test_an_out_made_by_another_run_meanwhile_is_never_replaced(tmp_path):
+    """Two runs into one new OUT: the second to finish said `cannot write (Directory not empty); free disk space`, and
+    an empty OUT made meanwhile was replaced without --overwrite (rename() replaces an empty folder)."""
+    from fp8kit.converter import output
+    from fp8kit.errors import Fp8kitError
+
+    out = tmp_path / "out"
+    for theirs in ([], ["theirs.txt"]):
+        with pytest.raises(Fp8kitError, match=r"out: made by another process while this one converted; pass "
+                                              r"--overwrite to replace it, or choose another OUT$"):
+            with output.atomic_directory(out, overwrite=False) as partial:
+                (partial / "ours.txt").write_text("ours")
+                out.mkdir()
+                for name in theirs:
+                    (out / name).write_text("theirs")
+        assert sorted(f.name for f in out.iterdir()) == theirs
+        assert sorted(f.name for f in tmp_path.iterdir()) == ["out"]  # no partial folder left
+        out.rmdir() if not theirs else None
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock")
+def test_a_failed_run_removes_its_lock_file_last(tmp_path, monkeypatch):
+    """rmtree removed a failed run's folder in directory order: a second Ctrl-C during it could leave the folder
+    without its lock file, which no later run takes for abandoned. The lock file goes last, so a removal cut short
+    at any point leaves a folder the next run removes."""
+    from fp8kit.converter import output
+
+    out = tmp_path / "out"
+    removed = []
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        removed.append(Path(path).name)
+        return real_unlink(path, *args, **kwargs)
+
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        with output.atomic_directory(out, overwrite=False) as partial:
+            for i in range(6):
+                (partial / f"model-{i}.safetensors").write_bytes(b"x")
+            (partial / "chat_templates").mkdir()
+            (partial / "chat_templates" / "a.jinja").write_text("a")
+            monkeypatch.setattr(os, "unlink", unlink)
+            raise RuntimeError("conversion failed")
+    monkeypatch.undo()
+    assert removed[-1] == output.WRITING and len(removed) == 8, removed
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupt_while_the_replaced_out_is_removed_finishes_the_run(tmp_path, monkeypatch):
+    """With --overwrite, a Ctrl-C or SIGTERM while the replaced OUT was being deleted (after the new one was in place)
+    left `.OUT.old-*` for good and reported that nothing was written. The run finishes instead."""
+    from fp8kit.converter import output
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    real_rmtree = output.shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if ".old-" in Path(path).name:
+            os.kill(os.getpid(), signal.SIGTERM)  # raised as KeyboardInterrupt inside atomic_directory, if not held
+            time.sleep(0.1)
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(output.shutil, "rmtree", rmtree)
+    try:
+        with output.atomic_directory(out, overwrite=True) as partial:
+            (partial / "new.txt").write_text("new")
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped once OUT was complete")
+    assert [f.name for f in tmp_path.iterdir()] == ["out"] and [f.name for f in out.iterdir()] == ["new.txt"]
+
+
 def caught_signals(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("SigCgt:"):

@@ -173,6 +173,27 @@ def test_an_fp8kit_repo_of_another_base_model_needs_force(tmp_path, hub, src):
     assert publish(tmp_path, hub, *args, "--force").returncode == 0
 
 
+def test_an_fp8kit_repo_of_another_scheme_or_format_needs_force(tmp_path, hub, src):
+    """A --repo-template without {scheme}, used on another machine for block in the fp8 format: publishing dynamic
+    there replaced the block weights that machine's overlay (and its users' registries) list as block."""
+    hub.add_repo("tester/tiny-FP8", {"fp8kit.json": json.dumps({"tool": "fp8kit", "base_model": "org/tiny",
+                                                                "scheme": "block", "format": "fp8"}).encode(),
+                                     "model.safetensors": b"block weights"})
+    args = [src, "--base-model", "org/tiny", "--scheme", "dynamic", "--repo-template", "{org}/{name}-FP8", "--json"]
+    proc = publish(tmp_path, hub, *args)
+    error = results(proc)["tester/tiny-FP8"]["error"]
+    assert proc.returncode == 1, proc.stderr
+    assert ("holds fp8kit's variant of org/tiny with scheme block, format fp8 (its fp8kit.json), not scheme dynamic, "
+            "format compressed-tensors") in error and "--force" in error, error
+    assert hub.file("tester/tiny-FP8", "model.safetensors") == b"block weights"
+    proc = publish(tmp_path, hub, *args, "--force")
+    assert proc.returncode == 0 and hub.file("tester/tiny-FP8", "model.safetensors") != b"block weights"
+    staged = json.loads(hub.file("tester/tiny-FP8", "fp8kit.json"))
+    assert (staged["scheme"], staged["format"]) == ("dynamic", "compressed-tensors")
+    proc = publish(tmp_path, hub, *args)  # the same variant again: an update, no --force needed
+    assert proc.returncode == 0 and results(proc)["tester/tiny-FP8"]["status"] == "unchanged", proc.stdout
+
+
 def test_max_kl_rejects_and_plan_goes_on_past_failures(tmp_path, hub, src):
     plan = tmp_path / "plan.toml"
     plan.write_text(f'''

@@ -282,6 +282,20 @@ def test_validation_sample_fits_the_model_and_a_foreign_tokenizer_is_one_line(tm
     assert rows["me/ok-FP8-Dynamic"]["status"] == "dry-run", rows
 
 
+def test_tensor_static_without_a_tokenizer_fails_before_the_cache_is_touched(tmp_path, hub, llama_dir):
+    """Validation takes random ids where a source has no tokenizer, so the doomed calibration was found only inside
+    the registry cache's conversion, after its lock file and source record were written there."""
+    src = tmp_path / "tiny-llama"
+    shutil.copytree(llama_dir, src)
+    proc = publish(tmp_path, hub, src, "--base-model", "org/tiny", "--scheme", "tensor-static", "--dry-run", "--org",
+                   "me", "--json")
+    row = results(proc)["me/tiny-FP8-Tensor-Static"]
+    assert proc.returncode == 1 and row["status"] == "failed", proc.stdout
+    assert "--scheme tensor-static needs the model's tokenizer to calibrate" in row["error"], row
+    cache = tmp_path / "fp8cache"
+    assert not cache.exists() or not [p for p in cache.rglob("*") if p.is_file()], list(cache.rglob("*"))
+
+
 def test_tensor_static_is_published_with_its_calibration_beside_a_plain_variant(tmp_path, hub, src):
     """tensor-static (vLLM's fastest FP8 path) could be converted but not published. It always calibrates: --calibration
     is its text (not the plain variant's, converted from the cache beside it), recorded on the card and in

@@ -266,11 +266,12 @@ def test_a_tensor_static_upload_is_fetched_as_tensor_static_and_never_as_tensor(
     monkeypatch.setenv("FP8KIT_REGISTRY", str(overlay))
     # the GRPO runtime with vLLM refuses it by name, before downloading it; its base is converted per channel
     from fp8kit.errors import Fp8kitError
+    from fp8kit.registry import resolve
     from fp8kit.rl.model import check_not_static_upload
 
     with pytest.raises(Fp8kitError, match=r"^me/tiny-FP8-Tensor-Static: registered with static activation scales"):
-        check_not_static_upload("me/tiny-FP8-Tensor-Static", True)
-    check_not_static_upload("org/tiny", True)
+        check_not_static_upload(resolve("me/tiny-FP8-Tensor-Static", "dynamic"))
+    check_not_static_upload(resolve("org/tiny", "dynamic"))
     upload = f"models--me--tiny-FP8-Tensor-Static/snapshots/{COMMIT}"
     code, out, err = ensured(tmp_path, "me/tiny-FP8-Tensor-Static", "auto")
     assert code == 0 and out.endswith(upload), err
@@ -280,6 +281,76 @@ def test_a_tensor_static_upload_is_fetched_as_tensor_static_and_never_as_tensor(
     assert code != 0, err
     assert ("the registry overlay (FP8KIT_REGISTRY) lists it as tensor (compressed-tensors), but its config.json "
             "declares tensor-static (compressed-tensors)") in err, err
+
+
+def test_static_activation_scales_on_channel_weights_answer_no_request(tmp_path, llama_dir):
+    """An upload with per-channel weights and static input scales (vLLM serves it) listed as dynamic passed ensure():
+    a dynamic request got static activations, which the GRPO runtime's trainer does not compute."""
+    from fp8kit import convert
+    from fp8kit.registry.cache import check_upload
+    from fp8kit.registry.resolution import Resolution
+
+    upload = tmp_path / "upload"
+    convert(llama_dir, upload, scheme="dynamic")
+    answer = Resolution(name="org/tiny", scheme="dynamic", repo_id="me/tiny-FP8-Dynamic", format="compressed-tensors",
+                        source="overlay", variant_scheme="dynamic")
+    check_upload(upload, answer)  # as converted: dynamic
+    config = json.loads((upload / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        group["input_activations"].update(dynamic=False, strategy="tensor")
+    (upload / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Fp8kitError, match=r"^me/tiny-FP8-Dynamic: the registry overlay \(FP8KIT_REGISTRY\) lists it as "
+                                          r"dynamic \(compressed-tensors\), but its config.json declares dynamic weights "
+                                          r"with static activation scales \(compressed-tensors\)"):
+        check_upload(upload, answer)
+
+
+LOAD_SCHEMES = """
+import sys, torch
+from fp8kit.errors import Fp8kitError
+from fp8kit.rl import load_model
+for name, fp8 in (("me/tiny-FP8-Dynamic", False), ("me/tiny-FP8-Dynamic", "block"), ("me/tiny-FP8-Block", False),
+                  ("someone/tiny-FP8", False), ("someone/tiny-FP8", "block"), ("me/tiny-FP8-Dynamic", True),
+                  ("someone/tiny-FP8", True)):
+    try:
+        model, _ = load_model(name, load_in_fp8=fp8, dtype=torch.float32, lora_rank=4, fast_inference=False,
+                              device="cpu")
+        print("loaded", model.fp8_scheme)
+    except Fp8kitError as e:
+        print(e)
+"""
+
+
+def test_load_in_fp8_false_or_block_refuses_an_fp8_upload_by_name_before_downloading_it(tmp_path,
+                                                                                       tiny_with_tokenizer):
+    """load_model('me/tiny-FP8-Dynamic', load_in_fp8=False) loaded the FP8 upload as the full-precision baseline
+    (and 'block' loaded it as it was), where a local FP8 folder was refused. A registered upload is refused by its
+    listed scheme before it is downloaded (me/tiny-FP8-Block is not in the HF cache: offline, the download would
+    fail), an unlisted FP8 repo once its config.json is read. An unlisted FP8 repo loads as it is with load_in_fp8=True
+    (the converter refused it as already quantized)."""
+    from fp8kit import convert
+
+    dynamic = tmp_path / "dynamic"
+    convert(tiny_with_tokenizer, dynamic, scheme="dynamic")
+    cached_repo(tmp_path / "hub", "me/tiny-FP8-Dynamic", dynamic)
+    cached_repo(tmp_path / "hub", "someone/tiny-FP8", dynamic)
+    (tmp_path / "overlay.toml").write_text(
+        "".join(f'[[variant]]\nrepo_id = "me/tiny-FP8-{name}"\nfamily = "tiny"\nscheme = "{scheme}"\n'
+                f'format = "compressed-tensors"\nserves = ["{scheme}"]\nbase = ["org/tiny"]\n'
+                for name, scheme in (("Dynamic", "dynamic"), ("Block", "block"))))
+    proc = subprocess.run([sys.executable, "-c", LOAD_SCHEMES], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    snapshot = tmp_path / "hub" / "models--someone--tiny-FP8" / "snapshots" / COMMIT
+    assert proc.stdout.splitlines() == [
+        "me/tiny-FP8-Dynamic: already an FP8 checkpoint (dynamic); the load_in_fp8=False baseline needs the original "
+        "model",
+        "me/tiny-FP8-Dynamic: a dynamic FP8 checkpoint, not block; pass load_in_fp8=True or the original model to "
+        "convert",
+        "me/tiny-FP8-Block: already an FP8 checkpoint (block); the load_in_fp8=False baseline needs the original model",
+        f"{snapshot}: already an FP8 checkpoint (dynamic); the load_in_fp8=False baseline needs the original model",
+        f"{snapshot}: a dynamic FP8 checkpoint, not block; pass load_in_fp8=True or the original model to convert",
+        "loaded dynamic", "loaded dynamic"], proc.stdout
 
 
 def test_tensor_static_is_converted_once_and_cached_with_the_shipped_sample(tmp_path, tiny_with_tokenizer):
@@ -302,6 +373,12 @@ def test_tensor_static_is_converted_once_and_cached_with_the_shipped_sample(tmp_
     assert len(log) == 1 and " tensor-static -> " in log[0], log
     result = CliRunner().invoke(main, ["resolve", str(src), "--scheme", "tensor-static", "--json"])
     assert json.loads(result.stdout)["cached"] is True and json.loads(result.stdout)["cache_dir"] == str(entry)
+    # without a tokenizer the planned conversion could only fail: said at once, as for the other inputs it refuses
+    for f in [*src.glob("tokenizer*"), *src.glob("special_tokens_map.json")]:
+        f.unlink()
+    result = CliRunner().invoke(main, ["resolve", str(src), "--scheme", "tensor-static"])
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert "--scheme tensor-static needs the model's tokenizer to calibrate" in result.stderr, result.stderr
 
 
 def test_ensure_converts_once_even_when_raced(tmp_path, llama_dir):

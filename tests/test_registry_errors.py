@@ -594,6 +594,45 @@ def test_a_killed_fp8_convert_into_the_cache_is_named_and_cleaned_up(tmp_path, l
     assert ensure(str(src), "dynamic") == entry and not stale.exists()
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="flock")
+def test_the_cache_never_removes_a_live_conversion_s_folder(tmp_path, llama_dir):
+    """An fp8-convert into the cache entry spelled through a symlink took no entry lock, and ensure() (or `cache rm`)
+    deleted its live partial folder: it failed with "cannot write ... free disk space". The symlinked spelling takes
+    the entry's lock now, and a folder whose writer holds its lock is never removed, whatever lock the entry has."""
+    import fcntl
+    import shutil
+
+    from fp8kit.converter.output import WRITING
+    from fp8kit.registry import ensure, resolve
+    from fp8kit.registry.cache import entry_lock, remove_unfinished
+
+    src = tmp_path / "tiny"
+    shutil.copytree(llama_dir, src)
+    entry = Path(resolve(str(src), "dynamic").cache_dir)
+    entry.parent.mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(entry.parent)
+    assert entry_lock(link / entry.name, str(src)) is not None  # it was None: not seen as inside the cache
+    live, dead = (entry.parent / f".{entry.name}.partial-{n}" for n in ("live", "dead"))
+    for folder in (live, dead):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+        (folder / WRITING).touch()
+    held = os.open(live / WRITING, os.O_RDWR)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        remove_unfinished(entry)
+        assert live.exists() and not dead.exists()
+        assert ensure(str(src), "dynamic") == entry and live.exists()  # its tidying leaves it too
+        result = CliRunner().invoke(main, ["cache", "rm", str(src)])
+        assert result.exit_code == 1 and live.exists(), result.output
+        assert "a conversion is running there" in result.stderr, result.stderr
+    finally:
+        os.close(held)
+    remove_unfinished(entry)  # its writer gone
+    assert not live.exists()
+
+
 def test_cache_rm_of_a_killed_local_conversion_after_its_checkpoint_is_gone(tmp_path, llama_dir):
     import shutil
 

@@ -43,19 +43,24 @@ def read_calibration(calibration: str | Path | None) -> tuple[Path, str]:
         raise Fp8kitError(f"{calibration}: cannot read the calibration text ({e})") from e
 
 
-def calibration_samples(src_path: Path, calibration: str | Path | None, seq_len: int, why: str):
-    """(tokenizer, token-id samples, calibration file) for `src_path`; `why` names the option in errors."""
+def calibration_tokenizer(src_path: Path, why: str):
+    """The tokenizer calibration reads `src_path`'s text with; `why` names the option in errors."""
     from transformers import AutoTokenizer
 
-    calibration, text = read_calibration(calibration)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src_path)
+        return AutoTokenizer.from_pretrained(src_path)
     except Exception as e:  # noqa: BLE001 - which error depends on the files present and on the packages installed
         # transformers' messages run over several lines: the first says what failed
         reason = first_line(e)
         raise Fp8kitError(f"{src_path}: {why} needs the model's tokenizer to calibrate and none loads from it "
                           f"({reason}); copy the model's tokenizer files (tokenizer.json, tokenizer_config.json) "
                           f"into {src_path}") from e
+
+
+def calibration_samples(src_path: Path, calibration: str | Path | None, seq_len: int, why: str):
+    """(tokenizer, token-id samples, calibration file) for `src_path`; `why` names the option in errors."""
+    calibration, text = read_calibration(calibration)
+    tokenizer = calibration_tokenizer(src_path, why)
     samples = calibration_ids(tokenizer, text, seq_len)
     if not samples:
         raise Fp8kitError(f"{calibration}: too little text to calibrate on (fewer than 8 tokens)")

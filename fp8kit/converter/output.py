@@ -6,13 +6,16 @@ removed. A run killed outright (SIGKILL, the OOM killer, a power cut) cannot rem
 the same OUT does, knowing it abandoned by the lock its writer held on a file inside it (the kernel releases a
 lock when its holder dies, whatever killed it; a process id would not tell another container's live writer on a
 shared volume from a dead one). Where a filesystem's locks are local to each machine (NFS mounted with
-local_lock=flock), two machines converting into one OUT at once do not see each other's lock.
+local_lock=flock), two machines converting into one OUT at once do not see each other's lock; where no lock can be
+had at all (Windows, which has no flock, or a filesystem without locks) a killed run's folder stays for the user to
+delete, as a live writer's could not be told from it.
 Nothing the user owns is ever deleted in its place, and an existing OUT is replaced only when asked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import os
 import re
@@ -167,18 +170,42 @@ def remove_abandoned(out: Path) -> list[tuple[Path, int]]:
             if not _try_lock(fd) or not (folder / WRITING).exists():
                 continue
             size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
-            # WRITING last: a removal cut short leaves a folder the next run still knows abandoned
-            for child in folder.iterdir():
-                if child.name != WRITING:
-                    shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-            (folder / WRITING).unlink()
-            folder.rmdir()
+            remove_partial(folder)
             removed.append((folder, size))
         except OSError:  # removed meanwhile by another run, or not ours to remove
             continue
         finally:
             os.close(fd)
     return removed
+
+
+def remove_partial(folder: Path) -> None:
+    """Delete a partial folder, its WRITING file last: a removal cut short (a second Ctrl-C, a SIGKILL) leaves a
+    folder the next run still knows abandoned, not one without a lock file that no run would ever remove."""
+    for child in folder.iterdir():
+        if child.name != WRITING:
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    (folder / WRITING).unlink(missing_ok=True)
+    folder.rmdir()
+
+
+def writer_alive(folder: Path) -> bool:
+    """Whether a live process is filling this partial folder: its WRITING file is held locked. The registry cache
+    asks before removing a conversion's leftovers: its entry lock does not cover an fp8-convert whose OUT names the
+    entry through another path (a symlink, another mount)."""
+    try:
+        fd = os.open(folder / WRITING, os.O_RDWR)
+    except OSError:  # none: a dead writer's, an older fp8kit's, or a platform without locks
+        return False
+    try:
+        return not _try_lock(fd)  # where no lock can be had at all, taken for alive: never removed
+    finally:
+        os.close(fd)
+
+
+def _taken_meanwhile(out: Path) -> Fp8kitError:
+    return Fp8kitError(f"{out}: made by another process while this one converted; pass --overwrite to replace it, or "
+                       f"choose another OUT")
 
 
 @contextlib.contextmanager
@@ -219,7 +246,14 @@ def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None):
             if out.exists() and overwrite:
                 old = out.parent / f".{out.name}.old-{secrets.token_hex(8)}"
                 out.rename(old)
-            partial.rename(out)  # fails if OUT appeared meanwhile: never replaced without --overwrite
+            elif out.exists() or out.is_symlink():  # made by another run meanwhile: rename() would replace an empty one
+                raise _taken_meanwhile(out)
+            try:
+                partial.rename(out)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):  # appeared between the test above and the rename
+                    raise _taken_meanwhile(out) from e
+                raise
             ok = True
     except OSError as e:
         raise Fp8kitError(f"{out}: cannot write ({e.strerror or e}); free disk space or choose another OUT") from e
@@ -231,17 +265,29 @@ def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None):
     finally:
         for fd in writing:  # unlocked first: a cleanup cut short leaves a folder the next run removes
             os.close(fd)
-        for folder in (partial, old):
-            if folder is not None and folder.exists():
-                shutil.rmtree(folder, ignore_errors=True)
+        if partial is not None and partial.exists():
+            with contextlib.suppress(OSError):
+                remove_partial(partial)
+        if old is not None and old.exists():
+            if ok:
+                # OUT is complete and in place: a Ctrl-C or SIGTERM now would only leave the replaced folder behind
+                # and report that nothing was written, so the run finishes instead
+                with interrupts_deferred(drop=True):
+                    shutil.rmtree(old, ignore_errors=True)
+            elif not out.exists():  # the new folder could not take OUT's place: the replaced one goes back
+                with contextlib.suppress(OSError):
+                    old.rename(out)
+            else:
+                shutil.rmtree(old, ignore_errors=True)
         if not ok:
             _remove_empty(made)
 
 
 @contextlib.contextmanager
-def interrupts_deferred():
+def interrupts_deferred(drop: bool = False):
     """Ctrl-C and SIGTERM arriving inside are raised on the way out, once the renames they would have split are
-    done. Only the main thread receives signals in Python, so elsewhere this does nothing."""
+    done (with `drop`, not at all: the work they would interrupt is finished). Only the main thread receives signals
+    in Python, so elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -254,7 +300,7 @@ def interrupts_deferred():
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        if caught:
+        if caught and not drop:
             handler = previous[caught[0]]
             if callable(handler):
                 handler(caught[0], None)  # KeyboardInterrupt for Ctrl-C and for sigterm_as_interrupt's SIGTERM

@@ -523,8 +523,10 @@ def _upload(api, result: PublishResult, folder: Path, private: bool, create_pr: 
 
 def _check_remote_base(api, repo_id: str, folder: Path) -> None:
     """An fp8kit repo made from another base model (org-a/Foo and org-b/Foo fill the default template alike, also
-    from another machine, whose overlay this one never saw) is not replaced: its users would get other weights."""
-    ours = json.loads((folder / PROVENANCE).read_text()).get("base_model")
+    from another machine, whose overlay this one never saw) or in another scheme or format (a template without
+    {scheme}) is not replaced: its users, and registries that list it by its scheme, would get other weights."""
+    staged = json.loads((folder / PROVENANCE).read_text())
+    ours = staged.get("base_model")
     try:
         theirs = json.loads(Path(_with_retries(lambda: api.hf_hub_download(repo_id, PROVENANCE))).read_text())
     except ValueError as e:  # whose weights it holds cannot be told: as for a repo without provenance
@@ -537,6 +539,13 @@ def _check_remote_base(api, repo_id: str, folder: Path) -> None:
     if base.lower() != str(ours).lower():
         raise Fp8kitError(f"{repo_id}: holds fp8kit's FP8 variant of {base} (its {PROVENANCE}), not of {ours}; "
                           f"publish under another --repo-template or --org, or pass --force to replace it")
+    differing = [key for key in ("scheme", "format") if key in theirs and theirs[key] != staged.get(key)]
+    if differing:
+        held = ", ".join(f"{key} {theirs[key]}" for key in differing)
+        wanted = ", ".join(f"{key} {staged.get(key)}" for key in differing)
+        raise Fp8kitError(f"{repo_id}: holds fp8kit's variant of {base} with {held} (its {PROVENANCE}), not {wanted}; "
+                          f"publish under a --repo-template with {{scheme}} (and another --org or name for another "
+                          f"format), or pass --force to replace it")
 
 
 def _check_overlay(writable: bool = True) -> None:

@@ -113,7 +113,12 @@ def verify(entry: Path) -> bool:
 def ensure(name: str, scheme: str = "auto") -> Path:
     """A local directory holding `name` in FP8: the catalog's upload (downloaded with huggingface_hub, or
     from the HF cache offline), else our conversion, made once and cached."""
-    answer = resolve(name, scheme)
+    return ensure_resolved(resolve(name, scheme))
+
+
+def ensure_resolved(answer) -> Path:
+    """ensure() for a registry answer already in hand: load_model reads the answer first, so that an upload it
+    refuses (tensor-static, for vLLM rollouts) is neither downloaded nor resolved twice."""
     if answer.repo_id is not None:
         path = source.resolve(answer.repo_id)
         check_upload(path, answer)
@@ -141,8 +146,11 @@ def check_upload(path: Path, answer) -> None:
         try:
             scheme = scheme_of(qc)
             # static activation scales (what `fp8kit publish --scheme tensor-static` uploads) are not `tensor`: the
-            # GRPO runtime, which asks for dynamic or tensor, refuses them
-            found = f"{'tensor-static' if scheme == 'tensor' and static_activations(qc) else scheme} ({method})"
+            # GRPO runtime, which asks for dynamic or tensor, refuses them; on channel or block weights (vLLM serves
+            # those too) they are no scheme a registry entry can name, so no request gets them
+            if static_activations(qc):
+                scheme = "tensor-static" if scheme == "tensor" else f"{scheme} weights with static activation scales"
+            found = f"{scheme} ({method})"
         except Fp8kitError:
             found = f"a quantization_config fp8kit does not read (quant_method {method!r})"
     if found != listed:
@@ -158,6 +166,10 @@ def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -
     if verify(entry):  # complete: used as it is, also from a cache this user cannot write
         _tidy(entry)
         return entry
+    if scheme == "tensor-static":  # calibrates on text: refused before any folder or lock is made for it
+        from fp8kit.converter.calibration import calibration_tokenizer
+
+        calibration_tokenizer(src, "--scheme tensor-static")
     # filelock (huggingface_hub's own dependency): flock on POSIX, msvcrt locking on Windows
     lock = FileLock(entry.parent / (entry.name + ".lock"))
     try:
@@ -262,11 +274,12 @@ def entry_lock(out: str | Path, name: str) -> FileLock | None:
     the cache, as `fp8kit resolve` prints it); None elsewhere. NAME is resolved first, so that one which cannot be had
     (offline, a typo) leaves no folder or lock file in the cache; and OUT must lie in the folder of NAME's commit,
     the only one ensure() looks in: a conversion anywhere else in the cache would never be used, only kept."""
-    out = Path(out).expanduser().absolute()
-    root = cache_root().expanduser().absolute()
+    # resolved as check_out resolves OUT: a symlinked spelling of the entry is the entry
+    out = Path(out).expanduser().resolve()
+    root = cache_root().expanduser().resolve()
     if out == root or root not in out.parents:
         return None
-    commit = (model_dir(name) / _source_commit(source.resolve(name))).expanduser().absolute()
+    commit = (model_dir(name) / _source_commit(source.resolve(name))).expanduser().resolve()
     if out.parent != commit:
         raise Fp8kitError(f"{out}: inside the fp8kit cache, but {name} is cached in {commit} (its source commit), the "
                           f"only folder ensure() looks in; convert into that folder or outside the cache; nothing was "
@@ -279,13 +292,13 @@ def entry_lock(out: str | Path, name: str) -> FileLock | None:
 def record_conversion(name: str, out: str | Path, scheme: str, fmt: str, seconds: float) -> bool:
     """After `fp8-convert NAME OUT` made exactly the entry `ensure(NAME)` would (OUT is that entry's folder, default
     options), write its completion marker so that ensure() uses it; the caller holds the entry's lock."""
-    out = Path(out).expanduser().absolute()
+    out = Path(out).expanduser().resolve()
     try:
         src = source.resolve(name)
         expected = model_dir(name) / _source_commit(src) / entry_name(scheme, fmt)
     except (Fp8kitError, OSError):
         return False
-    if expected.expanduser().absolute() != out or not out.is_dir():
+    if expected.expanduser().resolve() != out or not out.is_dir():
         return False
     _write_marker(out, name, src, scheme, fmt, seconds)
     return True
@@ -296,9 +309,13 @@ _ENTRY = re.compile(r"(?P<scheme>.+?)-(?P<format>compressed-tensors|fp8)-fp8kit.
 
 
 def _unfinished_of(entry: Path) -> list[Path]:
-    """The converter's temporary folders of `entry` (fp8kit.converter.output.atomic_directory's names)."""
+    """The converter's temporary folders of `entry` (fp8kit.converter.output.atomic_directory's names) that no live
+    conversion is filling: the entry's lock does not cover an `fp8-convert` whose OUT names the entry through a
+    symlink or another mount, but the lock its writer holds inside the folder does."""
+    from fp8kit.converter.output import writer_alive
+
     return [p for p in sorted(entry.parent.glob(".*")) if (m := _UNFINISHED.fullmatch(p.name))
-            and m["entry"] == entry.name and p.is_dir() and not p.is_symlink()]
+            and m["entry"] == entry.name and p.is_dir() and not p.is_symlink() and not writer_alive(p)]
 
 
 def remove_unfinished(entry: Path) -> None:
@@ -444,8 +461,8 @@ def _refuse_busy(busy: list[Path], removed: list[Path]) -> None:
     """A folder left because a conversion holds its entry lock: one error line, after the others were removed."""
     if busy:
         done = f"; removed {len(removed)} other folder(s)" if removed else ""
-        raise Fp8kitError(f"{busy[0]}: a conversion is running there (its entry lock is held); run the same `cache rm` "
-                          f"again once it has finished{done}")
+        raise Fp8kitError(f"{busy[0]}: a conversion is running there (it holds its entry's lock or its folder's); run "
+                          f"the same `cache rm` again once it has finished{done}")
 
 
 ENTRY_LOCKS = "*-fp8kit*.lock"  # `{entry_name}.lock`, as cached_conversion() and entry_lock() name them
@@ -475,6 +492,8 @@ def _delete(folder: Path) -> None:
 def _remove_unlocked(target: Path) -> bool:
     """Delete a model folder while holding every entry lock in it; False (nothing deleted) when a conversion holds
     one, as the pinned form's removal of unfinished folders does."""
+    from fp8kit.converter.output import writer_alive
+
     held = []
     try:
         for path in sorted(target.glob(f"*/{ENTRY_LOCKS}")):
@@ -484,6 +503,9 @@ def _remove_unlocked(target: Path) -> bool:
             except Timeout:
                 return False
             held.append(lock)
+        # a conversion whose OUT names an entry through a symlink holds no entry lock, only its folder's
+        if any(writer_alive(p) for p in target.glob("*/.*") if _UNFINISHED.fullmatch(p.name) and p.is_dir()):
+            return False
         _delete(target)
         return True
     finally:
@@ -495,6 +517,8 @@ def _remove_unfinished_of_revision(name: str, commits: set[Path]) -> list[Path]:
     """Unfinished folders of a pinned name: in its commit's folder (the commit as the HF cache knows it, and those of
     its finished entries) and in the legacy `org--name@rev` folder. Each is removed under its entry's lock, taken
     without waiting: one whose lock is held belongs to a conversion in progress and stays."""
+    from fp8kit.converter.output import writer_alive
+
     commit = known_commit(name)
     if commit:
         commits.add(model_dir(name) / commit)
@@ -507,7 +531,7 @@ def _remove_unfinished_of_revision(name: str, commits: set[Path]) -> list[Path]:
             continue
         for unfinished in sorted(folder.glob(".*")):
             m = _UNFINISHED.fullmatch(unfinished.name)
-            if not m or unfinished.is_symlink() or not unfinished.is_dir():
+            if not m or unfinished.is_symlink() or not unfinished.is_dir() or writer_alive(unfinished):
                 continue
             lock_path = folder / (m["entry"] + ".lock")
             lock = FileLock(lock_path)

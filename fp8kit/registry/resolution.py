@@ -82,6 +82,10 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
         # planned as a conversion to run
         source.load_config(Path(name).expanduser())
         source.weight_files(Path(name).expanduser())
+        if scheme == "tensor-static":  # it calibrates on text: without a tokenizer that loads, it could only fail
+            from fp8kit.converter.calibration import calibration_tokenizer
+
+            calibration_tokenizer(Path(name).expanduser(), "--scheme tensor-static")
     else:
         if not is_repo_id(name):
             raise Fp8kitError(f"{name}: no such folder, and not a Hub repo id of the form org/name[@revision]")

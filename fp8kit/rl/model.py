@@ -82,22 +82,24 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
             raise Fp8kitError("target_modules 'lm_head': vLLM rollouts carry no LoRA on lm_head; leave it out, or pass "
                               "fast_inference=False")
     local = Path(name).expanduser()
-    if with_vllm and not local.is_dir() and load_in_fp8 is not False:
-        check_not_static_upload(str(name), load_in_fp8)  # before ensure() downloads it
     source_config, source_scheme = read_config(local) if local.is_dir() else (None, None)
+    tokenizer = None
     if local.is_dir() and source_scheme is None:  # an original to convert: its tokenizer before minutes of work
-        _tokenizer(local)  # loaded, not just found: a broken one was blamed on the cached conversion's copy
+        # loaded, not just found (a broken one was blamed on the cached conversion's copy); the conversion copies
+        # the tokenizer files as they are, so this one is the model's
+        tokenizer = _tokenizer(local)
         if with_vllm:
             _check_vllm_model(source_config, local, dtype, max_seq_length, vllm_kwargs)
-    path = _checkpoint(str(name), load_in_fp8)
-    config, scheme = read_config(path)
+    path = _checkpoint(str(name), load_in_fp8, source_scheme, with_vllm)
+    config, scheme = (source_config, source_scheme) if path == local else read_config(path)
+    check_loaded_scheme(path, scheme, load_in_fp8)  # a Hub repo the registry does not list, once downloaded
     if with_vllm:
         _check_vllm_model(config, path, dtype, max_seq_length, vllm_kwargs)
     if with_vllm and static_activation_scales(path):
         raise Fp8kitError(f"{path}: static activation scales (tensor-static): vLLM's rollouts would quantize with "
                           f"them while the trainer quantizes per token, so their log-probabilities would disagree; "
                           f"for GRPO convert with --scheme tensor or dynamic")
-    tokenizer = _tokenizer(path)  # before any weight is read or vLLM starts
+    tokenizer = tokenizer or _tokenizer(path)  # before any weight is read or vLLM starts
     lora = dict(lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules)
     if with_vllm:
         from fp8kit.rl.vllm_engine import VLLMRollout
@@ -191,33 +193,72 @@ def _generation_eos(path: Path) -> int | None:
     return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
 
 
-def check_not_static_upload(name: str, load_in_fp8: bool | str) -> None:
-    """A name the registry answers with a tensor-static upload (its own name: `fp8kit publish --scheme tensor-static`
+def check_not_static_upload(answer) -> None:
+    """A registry answer that is a tensor-static upload (its own name: `fp8kit publish --scheme tensor-static`
     registers such repos) is refused for vLLM rollouts before it is downloaded, as the checkpoint would be after."""
-    from fp8kit.registry import resolve
-
-    answer = resolve(name, "block" if load_in_fp8 == "block" else "dynamic")
     if answer.variant_scheme == "tensor-static":
         raise Fp8kitError(f"{answer.repo_id}: registered with static activation scales (tensor-static): vLLM's rollouts "
                           f"would quantize with them while the trainer quantizes per token, so their log-probabilities "
                           f"would disagree; for GRPO load its base model (converted per channel) or a dynamic variant")
 
 
-def _checkpoint(name: str, load_in_fp8: bool | str) -> Path:
-    """The local directory to load: an FP8 variant from the registry, or the original for the baseline."""
-    from fp8kit.converter.source import resolve as source_resolve
+def check_loaded_scheme(where, scheme: str | None, load_in_fp8: bool | str) -> None:
+    """What load_in_fp8 asked for against the FP8 scheme a checkpoint (or a registered upload, before it is
+    downloaded) holds: the baseline needs the original, and block needs a block checkpoint."""
+    if scheme is not None and load_in_fp8 is False:
+        raise Fp8kitError(f"{where}: already an FP8 checkpoint ({scheme}); the load_in_fp8=False baseline needs the "
+                          f"original model")
+    if load_in_fp8 == "block" and scheme not in (None, "block"):
+        raise Fp8kitError(f"{where}: a {scheme} FP8 checkpoint, not block; pass load_in_fp8=True or the original model "
+                          f"to convert")
 
+
+def _registered_upload(name: str):
+    """The registry's variant whose repo is `name` itself (pinned or not), if any: known FP8 before any download."""
+    from fp8kit.registry import load
+
+    key = name.strip().partition("@")[0].lower()
+    return next((v for v in load() if v.repo_id.lower() == key), None)
+
+
+def _checkpoint(name: str, load_in_fp8: bool | str, local_scheme: str | None, with_vllm: bool) -> Path:
+    """The local directory to load: an FP8 variant from the registry, or the original for the baseline.
+    local_scheme: the FP8 scheme of `name` when it is a local FP8 checkpoint (read_config's), else None. load_model
+    checks the scheme of what this returns; an upload the registry lists by its own name is checked here, before
+    it is downloaded."""
     local = Path(name).expanduser()
-    scheme = read_config(local)[1] if local.is_dir() else None
-    if scheme is not None:
-        if load_in_fp8 is False:
-            raise Fp8kitError(f"{local}: already an FP8 checkpoint; the load_in_fp8=False baseline needs the original")
-        if load_in_fp8 == "block" and scheme != "block":
-            raise Fp8kitError(f"{local}: a {scheme} FP8 checkpoint, not block; pass load_in_fp8=True or the original "
-                              f"model to convert")
+    if local_scheme is not None:
+        check_loaded_scheme(local, local_scheme, load_in_fp8)
         return local
+    if local.is_dir():
+        return local if load_in_fp8 is False else _ensure(name, load_in_fp8, with_vllm)
+    upload = _registered_upload(name)
+    if upload is not None:
+        check_loaded_scheme(upload.repo_id, upload.scheme, load_in_fp8)
     if load_in_fp8 is False:
-        return source_resolve(name)
-    from fp8kit.registry import ensure
+        from fp8kit.converter.source import resolve as source_resolve
 
-    return ensure(name, "block" if load_in_fp8 == "block" else "dynamic")
+        return source_resolve(name)
+    return _ensure(name, load_in_fp8, with_vllm)
+
+
+def _ensure(name: str, load_in_fp8: bool | str, with_vllm: bool) -> Path:
+    """The registry's answer for `name`: its upload, or its conversion; a Hub repo the registry does not list that is
+    FP8 already (a third party's upload) is used as it is, like a local FP8 folder (the converter refuses it)."""
+    import json
+
+    from fp8kit.converter.source import resolve as source_resolve
+    from fp8kit.registry import ensure_resolved, resolve
+
+    answer = resolve(name, "block" if load_in_fp8 == "block" else "dynamic")
+    if with_vllm:
+        check_not_static_upload(answer)
+    if answer.repo_id is None and not Path(name).expanduser().is_dir():
+        src = source_resolve(name)  # downloaded, as the conversion would; load_model reads its scheme next
+        try:
+            quantized = "quantization_config" in json.loads((src / "config.json").read_text())
+        except (OSError, ValueError, TypeError):  # the converter names what is wrong with it
+            quantized = False
+        if quantized:
+            return src
+    return ensure_resolved(answer)
