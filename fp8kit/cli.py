@@ -12,7 +12,8 @@ from pathlib import Path
 import click
 
 # light: torch is imported later, inside the commands
-from fp8kit.converter.output import interrupt_raised, interrupts_deferred, sigterm_as_interrupt
+from fp8kit.converter.output import (InterruptedAfterWriting, interrupt_raised, interrupts_deferred,
+                                     sigterm_as_interrupt)
 from fp8kit.errors import Fp8kitError
 
 
@@ -180,6 +181,8 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
                 lock.release()
     except Fp8kitError as e:
         _fail(str(e))
+    except InterruptedAfterWriting as e:
+        _fail(f"interrupted once {e.out} was written completely; it holds the whole conversion", 130)
     except KeyboardInterrupt:
         _fail(f"interrupted; nothing was written to {out}", 130)
     for w in report.warnings:

@@ -151,8 +151,9 @@ def test_an_interrupt_something_swallowed_still_stops_the_conversion(tmp_path, l
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_between_the_renames_of_overwrite_leaves_the_new_output_whole(tmp_path, monkeypatch, sig):
     """--overwrite moves the old OUT aside, then the new one into place: a signal in between waits for the second
-    rename, so OUT is never missing; the interrupt still goes up, and the old folder is removed."""
-    from fp8kit.converter.output import atomic_directory
+    rename, so OUT is never missing; the interrupt still goes up, saying OUT is whole (fp8-convert reported that
+    nothing was written), and the old folder is removed."""
+    from fp8kit.converter.output import InterruptedAfterWriting, atomic_directory
 
     out = tmp_path / "out"
     out.mkdir()
@@ -166,7 +167,7 @@ def test_a_signal_between_the_renames_of_overwrite_leaves_the_new_output_whole(t
         return moved
 
     monkeypatch.setattr(Path, "rename", rename_then_signal)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(InterruptedAfterWriting, match=f"^interrupted after {out} was written completely$"):
         with atomic_directory(out, overwrite=True) as partial:
             (partial / "new.txt").write_text("new")
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in out.iterdir()] == ["new.txt"]
@@ -310,9 +311,10 @@ def test_a_failed_run_removes_its_lock_file_last(tmp_path, monkeypatch):
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
-def test_an_interrupt_while_the_replaced_out_is_removed_finishes_the_run(tmp_path, monkeypatch):
-    """With --overwrite, a Ctrl-C or SIGTERM while the replaced OUT was being deleted (after the new one was in place)
-    left `.OUT.old-*` for good and reported that nothing was written. The run finishes instead."""
+def test_an_interrupt_while_the_replaced_out_is_removed_waits_for_it_and_says_out_is_whole(tmp_path, monkeypatch):
+    """With --overwrite, a Ctrl-C or SIGTERM while the replaced OUT was being deleted (the new one already in place)
+    left `.OUT.old-*` for good, and fp8-convert reported that nothing was written. The deletion finishes first, and
+    the interrupt says OUT is whole."""
     from fp8kit.converter import output
 
     out = tmp_path / "out"
@@ -327,11 +329,9 @@ def test_an_interrupt_while_the_replaced_out_is_removed_finishes_the_run(tmp_pat
         return real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(output.shutil, "rmtree", rmtree)
-    try:
+    with pytest.raises(output.InterruptedAfterWriting):
         with output.atomic_directory(out, overwrite=True) as partial:
             (partial / "new.txt").write_text("new")
-    except KeyboardInterrupt:
-        pytest.fail("the interrupt escaped once OUT was complete")
     assert [f.name for f in tmp_path.iterdir()] == ["out"] and [f.name for f in out.iterdir()] == ["new.txt"]
 
 

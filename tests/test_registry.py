@@ -311,7 +311,7 @@ from fp8kit.errors import Fp8kitError
 from fp8kit.rl import load_model
 for name, fp8 in (("me/tiny-FP8-Dynamic", False), ("me/tiny-FP8-Dynamic", "block"), ("me/tiny-FP8-Block", False),
                   ("someone/tiny-FP8", False), ("someone/tiny-FP8", "block"), ("me/tiny-FP8-Dynamic", True),
-                  ("someone/tiny-FP8", True)):
+                  ("someone/tiny-FP8", True), ("someone/tiny-null", True)):
     try:
         model, _ = load_model(name, load_in_fp8=fp8, dtype=torch.float32, lora_rank=4, fast_inference=False,
                               device="cpu")
@@ -334,6 +334,12 @@ def test_load_in_fp8_false_or_block_refuses_an_fp8_upload_by_name_before_downloa
     convert(tiny_with_tokenizer, dynamic, scheme="dynamic")
     cached_repo(tmp_path / "hub", "me/tiny-FP8-Dynamic", dynamic)
     cached_repo(tmp_path / "hub", "someone/tiny-FP8", dynamic)
+    null = tmp_path / "null"  # `"quantization_config": null`: no FP8 weights, and not an original to convert either
+    shutil.copytree(tiny_with_tokenizer, null)
+    config = json.loads((null / "config.json").read_text())
+    (null / "config.json").write_text(json.dumps({**config, "quantization_config": None}))
+    cached_repo(tmp_path / "hub", "someone/tiny-null", null)
+    cached_repo(tmp_path / "hub", "org/tiny", tiny_with_tokenizer)
     (tmp_path / "overlay.toml").write_text(
         "".join(f'[[variant]]\nrepo_id = "me/tiny-FP8-{name}"\nfamily = "tiny"\nscheme = "{scheme}"\n'
                 f'format = "compressed-tensors"\nserves = ["{scheme}"]\nbase = ["org/tiny"]\n'
@@ -350,7 +356,16 @@ def test_load_in_fp8_false_or_block_refuses_an_fp8_upload_by_name_before_downloa
         "me/tiny-FP8-Block: already an FP8 checkpoint (block); the load_in_fp8=False baseline needs the original model",
         f"{snapshot}: already an FP8 checkpoint (dynamic); the load_in_fp8=False baseline needs the original model",
         f"{snapshot}: a dynamic FP8 checkpoint, not block; pass load_in_fp8=True or the original model to convert",
-        "loaded dynamic", "loaded dynamic"], proc.stdout
+        "loaded dynamic", "loaded dynamic",
+        f"{tmp_path / 'hub' / 'models--someone--tiny-null' / 'snapshots' / COMMIT / 'config.json'}: checkpoint is "
+        f"already quantized (quant_method unknown); convert the original BF16/FP16/FP32 checkpoint instead"], proc.stdout
+    # a broken overlay fails what reads the registry, not the full-precision baseline of a Hub name
+    (tmp_path / "overlay.toml").write_text("[[variant]]\nrepo_id = 1\n")
+    script = ("import torch; from fp8kit.rl import load_model; m, _ = load_model('org/tiny', load_in_fp8=False, "
+              "dtype=torch.float32, lora_rank=4, fast_inference=False, device='cpu'); print(m.fp8_scheme)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr
 
 
 def test_tensor_static_is_converted_once_and_cached_with_the_shipped_sample(tmp_path, tiny_with_tokenizer):
@@ -373,6 +388,14 @@ def test_tensor_static_is_converted_once_and_cached_with_the_shipped_sample(tmp_
     assert len(log) == 1 and " tensor-static -> " in log[0], log
     result = CliRunner().invoke(main, ["resolve", str(src), "--scheme", "tensor-static", "--json"])
     assert json.loads(result.stdout)["cached"] is True and json.loads(result.stdout)["cache_dir"] == str(entry)
+    from fp8kit.converter import calibration
+
+    def no_tokenizer(path, why):
+        raise Fp8kitError(f"{path}: {why} needs the model's tokenizer")
+
+    with pytest.MonkeyPatch.context() as patch:  # a tokenizer that stopped loading: the cached conversion still serves
+        patch.setattr(calibration, "calibration_tokenizer", no_tokenizer)
+        assert resolve(str(src), "tensor-static").cached and ensure(str(src), "tensor-static") == entry
     # without a tokenizer the planned conversion could only fail: said at once, as for the other inputs it refuses
     for f in [*src.glob("tokenizer*"), *src.glob("special_tokens_map.json")]:
         f.unlink()

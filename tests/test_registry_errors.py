@@ -594,6 +594,29 @@ def test_a_killed_fp8_convert_into_the_cache_is_named_and_cleaned_up(tmp_path, l
     assert ensure(str(src), "dynamic") == entry and not stale.exists()
 
 
+def test_fp8_convert_into_an_entry_whose_model_folder_is_linked_elsewhere_is_recorded(tmp_path, llama_dir):
+    """A model folder of the cache linked to another disk: resolving OUT put the entry outside the cache, so the
+    command `fp8kit resolve` prints took no entry lock and recorded nothing, and resolve planned it again."""
+    import shlex
+    import shutil
+
+    from fp8kit.cli import fp8_convert
+    from fp8kit.registry import resolve
+    from fp8kit.registry.cache import entry_lock
+
+    src = tmp_path / "tiny"
+    shutil.copytree(llama_dir, src)
+    answer = resolve(str(src), "dynamic")
+    entry = Path(answer.cache_dir)
+    (tmp_path / "disk2").mkdir()
+    entry.parent.parent.parent.mkdir(parents=True)
+    entry.parent.parent.symlink_to(tmp_path / "disk2")
+    assert entry_lock(entry, str(src)) is not None
+    result = CliRunner().invoke(fp8_convert, shlex.split(answer.convert_command)[1:])
+    assert result.exit_code == 0, result.output
+    assert resolve(str(src), "dynamic").cached and (tmp_path / "disk2" / entry.parent.name / entry.name).is_dir()
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="flock")
 def test_the_cache_never_removes_a_live_conversion_s_folder(tmp_path, llama_dir):
     """An fp8-convert into the cache entry spelled through a symlink took no entry lock, and ensure() (or `cache rm`)

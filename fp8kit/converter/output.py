@@ -124,8 +124,23 @@ def atomic_directory(out: Path, overwrite: bool, removed: list | None = None):
     Ctrl-C meanwhile (sigterm_as_interrupt), in the library as in the command line. Partial folders of OUT that a
     killed run left are removed first; `removed` gets (folder, bytes) for each."""
     with sigterm_as_interrupt():
-        with _atomic_directory(out, overwrite, removed) as partial:
-            yield partial
+        written = []
+        try:
+            with _atomic_directory(out, overwrite, removed, written) as partial:
+                yield partial
+        except KeyboardInterrupt as e:
+            if written and not isinstance(e, InterruptedAfterWriting):
+                raise InterruptedAfterWriting(out) from e
+            raise
+
+
+class InterruptedAfterWriting(KeyboardInterrupt):
+    """A Ctrl-C or SIGTERM that arrived once OUT was complete and in place (held while the renames ran, or while the
+    folder it replaced was deleted): still an interrupt, but one after which OUT holds the whole output."""
+
+    def __init__(self, out: Path):
+        super().__init__(f"interrupted after {out} was written completely")
+        self.out = out
 
 
 def _try_lock(fd: int) -> bool:
@@ -195,21 +210,23 @@ def writer_alive(folder: Path) -> bool:
     entry through another path (a symlink, another mount)."""
     try:
         fd = os.open(folder / WRITING, os.O_RDWR)
-    except OSError:  # none: a dead writer's, an older fp8kit's, or a platform without locks
+    except FileNotFoundError:  # none: a dead writer's, an older fp8kit's, or a platform without locks
         return False
+    except OSError:  # another account's, say: whether it lives cannot be told, so it is never removed
+        return True
     try:
         return not _try_lock(fd)  # where no lock can be had at all, taken for alive: never removed
     finally:
         os.close(fd)
 
 
-def _taken_meanwhile(out: Path) -> Fp8kitError:
-    return Fp8kitError(f"{out}: made by another process while this one converted; pass --overwrite to replace it, or "
-                       f"choose another OUT")
+def _taken_meanwhile(out: Path, overwrite: bool) -> Fp8kitError:
+    fix = "run again to replace it" if overwrite else "pass --overwrite to replace it"
+    return Fp8kitError(f"{out}: made by another process while this one converted; {fix}, or choose another OUT")
 
 
 @contextlib.contextmanager
-def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None):
+def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None, written: list | None = None):
     made = [p for p in reversed(out.parents) if not p.exists()]  # outermost first
     # The folder is named before it is made and made inside the try: a Ctrl-C or SIGTERM landing right after the
     # mkdir (tempfile.mkdtemp returns the name only afterwards) still finds it in the finally below.
@@ -247,14 +264,16 @@ def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None):
                 old = out.parent / f".{out.name}.old-{secrets.token_hex(8)}"
                 out.rename(old)
             elif out.exists() or out.is_symlink():  # made by another run meanwhile: rename() would replace an empty one
-                raise _taken_meanwhile(out)
+                raise _taken_meanwhile(out, overwrite)
             try:
                 partial.rename(out)
             except OSError as e:
                 if e.errno in (errno.ENOTEMPTY, errno.EEXIST):  # appeared between the test above and the rename
-                    raise _taken_meanwhile(out) from e
+                    raise _taken_meanwhile(out, overwrite) from e
                 raise
             ok = True
+            if written is not None:
+                written.append(out)
     except OSError as e:
         raise Fp8kitError(f"{out}: cannot write ({e.strerror or e}); free disk space or choose another OUT") from e
     except Exception as e:  # noqa: BLE001 - only a failed write is reworded; the rest goes up as it is
@@ -270,9 +289,9 @@ def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None):
                 remove_partial(partial)
         if old is not None and old.exists():
             if ok:
-                # OUT is complete and in place: a Ctrl-C or SIGTERM now would only leave the replaced folder behind
-                # and report that nothing was written, so the run finishes instead
-                with interrupts_deferred(drop=True):
+                # OUT is complete and in place: a Ctrl-C or SIGTERM is raised once the replaced folder is gone (cut
+                # short, it stayed for good), as InterruptedAfterWriting
+                with interrupts_deferred():
                     shutil.rmtree(old, ignore_errors=True)
             elif not out.exists():  # the new folder could not take OUT's place: the replaced one goes back
                 with contextlib.suppress(OSError):
@@ -284,10 +303,9 @@ def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None):
 
 
 @contextlib.contextmanager
-def interrupts_deferred(drop: bool = False):
+def interrupts_deferred():
     """Ctrl-C and SIGTERM arriving inside are raised on the way out, once the renames they would have split are
-    done (with `drop`, not at all: the work they would interrupt is finished). Only the main thread receives signals
-    in Python, so elsewhere this does nothing."""
+    done. Only the main thread receives signals in Python, so elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -300,7 +318,7 @@ def interrupts_deferred(drop: bool = False):
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        if caught and not drop:
+        if caught:
             handler = previous[caught[0]]
             if callable(handler):
                 handler(caught[0], None)  # KeyboardInterrupt for Ctrl-C and for sigterm_as_interrupt's SIGTERM

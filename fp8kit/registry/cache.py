@@ -274,10 +274,11 @@ def entry_lock(out: str | Path, name: str) -> FileLock | None:
     the cache, as `fp8kit resolve` prints it); None elsewhere. NAME is resolved first, so that one which cannot be had
     (offline, a typo) leaves no folder or lock file in the cache; and OUT must lie in the folder of NAME's commit,
     the only one ensure() looks in: a conversion anywhere else in the cache would never be used, only kept."""
-    # resolved as check_out resolves OUT: a symlinked spelling of the entry is the entry
-    out = Path(out).expanduser().resolve()
-    root = cache_root().expanduser().resolve()
-    if out == root or root not in out.parents:
+    # inside the cache as spelled (a model folder linked to another disk) or once resolved (a link to the entry),
+    # and compared resolved, as check_out resolves OUT
+    spelled, out = Path(out).expanduser().absolute(), Path(out).expanduser().resolve()
+    root = cache_root().expanduser().absolute()
+    if not any(path != folder and folder in path.parents for path, folder in ((spelled, root), (out, root.resolve()))):
         return None
     commit = (model_dir(name) / _source_commit(source.resolve(name))).expanduser().resolve()
     if out.parent != commit:

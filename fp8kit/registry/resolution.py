@@ -82,10 +82,6 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
         # planned as a conversion to run
         source.load_config(Path(name).expanduser())
         source.weight_files(Path(name).expanduser())
-        if scheme == "tensor-static":  # it calibrates on text: without a tokenizer that loads, it could only fail
-            from fp8kit.converter.calibration import calibration_tokenizer
-
-            calibration_tokenizer(Path(name).expanduser(), "--scheme tensor-static")
     else:
         if not is_repo_id(name):
             raise Fp8kitError(f"{name}: no such folder, and not a Hub repo id of the form org/name[@revision]")
@@ -115,6 +111,11 @@ def resolve(name: str, scheme: str = "auto", variants: list[Variant] | None = No
     legacy = _legacy_model_dir(name)  # earlier fp8kit's pinned layout: ensure() moves such an entry and reuses it
     if cache is not None and not cached and legacy is not None and verify(legacy / commit / entry_name(scheme)):
         cache, cached = legacy / commit / entry_name(scheme), True
+    if local and scheme == "tensor-static" and not cached:
+        # it calibrates on text: without a tokenizer that loads, the conversion could only fail
+        from fp8kit.converter.calibration import calibration_tokenizer
+
+        calibration_tokenizer(Path(name).expanduser(), "--scheme tensor-static")
     if cached:  # fp8-convert would refuse an existing OUT: there is nothing to run
         command = None
     elif commit:  # an entry that fails verify() (a file changed or missing) is replaced, as ensure() would

@@ -218,7 +218,11 @@ def _registered_upload(name: str):
     from fp8kit.registry import load
 
     key = name.strip().partition("@")[0].lower()
-    return next((v for v in load() if v.repo_id.lower() == key), None)
+    try:
+        variants = load()
+    except Fp8kitError:  # a broken overlay: the checkpoint's own config.json is checked once it is downloaded
+        return None
+    return next((v for v in variants if v.repo_id.lower() == key), None)
 
 
 def _checkpoint(name: str, load_in_fp8: bool | str, local_scheme: str | None, with_vllm: bool) -> Path:
@@ -256,8 +260,8 @@ def _ensure(name: str, load_in_fp8: bool | str, with_vllm: bool) -> Path:
     if answer.repo_id is None and not Path(name).expanduser().is_dir():
         src = source_resolve(name)  # downloaded, as the conversion would; load_model reads its scheme next
         try:
-            quantized = "quantization_config" in json.loads((src / "config.json").read_text())
-        except (OSError, ValueError, TypeError):  # the converter names what is wrong with it
+            quantized = bool(json.loads((src / "config.json").read_text()).get("quantization_config"))
+        except (OSError, ValueError, AttributeError):  # the converter names what is wrong with it
             quantized = False
         if quantized:
             return src
