@@ -335,6 +335,53 @@ def test_an_interrupt_while_the_replaced_out_is_removed_waits_for_it_and_says_ou
     assert [f.name for f in tmp_path.iterdir()] == ["out"] and [f.name for f in out.iterdir()] == ["new.txt"]
 
 
+def test_fp8_convert_interrupted_once_out_is_replaced_says_out_is_whole(tmp_path, monkeypatch, llama_dir):
+    """The command line's line for that interrupt: exit 130, and not "nothing was written" about a complete OUT."""
+    from click.testing import CliRunner
+
+    from fp8kit.cli import fp8_convert
+    from fp8kit.converter import output
+
+    out = tmp_path / "out"
+    out.mkdir()
+    real_rmtree = output.shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if ".old-" in Path(path).name:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(output.shutil, "rmtree", rmtree)
+    result = CliRunner().invoke(fp8_convert, [str(llama_dir), str(out), "--scheme", "dynamic", "--overwrite"])
+    assert result.exit_code == 130, result.output
+    assert result.stderr == f"error: interrupted once {out} was written completely; it holds the whole conversion\n"
+    assert (out / "config.json").exists() and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_failed_final_rename_puts_the_replaced_out_back(tmp_path, monkeypatch):
+    """--overwrite moves OUT aside before the new folder takes its place: where that second rename failed, both
+    folders were deleted, the user's old OUT with them."""
+    from fp8kit.converter import output
+    from fp8kit.errors import Fp8kitError
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    rename = Path.rename
+
+    def failing_rename(self, target):
+        if ".partial-" in self.name:
+            raise OSError(5, "Input/output error")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(Fp8kitError, match=r"out: cannot write \(Input/output error\)"):
+        with output.atomic_directory(out, overwrite=True) as partial:
+            (partial / "new.txt").write_text("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "old.txt").read_text() == "old"
+
+
 def caught_signals(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("SigCgt:"):
