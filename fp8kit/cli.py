@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -150,6 +151,7 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
                 as_json):
     """Convert the safetensors checkpoint SRC (a directory or a Hub id org/name[@revision]) into FP8 at OUT."""
     # SIGTERM unwinds like Ctrl-C (set up by main(), see _Interruptible), so the temporary output is removed.
+    report = None
     try:
         from fp8kit.converter import convert
         from fp8kit.registry.cache import entry_lock, record_conversion, remove_unfinished
@@ -167,23 +169,32 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
                 remove_unfinished(Path(out).expanduser().resolve())  # left by a killed one, as ensure() removes them
         except OSError as e:
             raise Fp8kitError(f"{out}: cannot write there ({e.strerror or e}); nothing was converted") from e
+        # the entry ensure() makes (default options; tensor-static: the shipped sample): recorded, ensure() uses it
+        recorded = lock is not None and not (ignore or lm_head or kv_cache or calibration) and \
+            scheme in ("dynamic", "block", "tensor", "tensor-static")
+        started = time.perf_counter()
         try:
-            with warnings.catch_warnings(), _stdout_to_stderr(as_json):
-                warnings.simplefilter("ignore")
-                report = convert(src, out, scheme=scheme, format=fmt, ignore=list(ignore), device=device,
-                                 max_shard_size=max_shard_size, overwrite=overwrite, progress=sys.stderr.isatty(),
-                                 calibration=calibration, lm_head=lm_head, kv_cache=kv_cache)
-            if lock is not None and not (ignore or lm_head or kv_cache or calibration) and \
-                    scheme in ("dynamic", "block", "tensor", "tensor-static"):  # tensor-static: the shipped sample
-                record_conversion(src, out, scheme, fmt, report.seconds)  # ensure() then uses it as its own
+            try:
+                with warnings.catch_warnings(), _stdout_to_stderr(as_json):
+                    warnings.simplefilter("ignore")
+                    report = convert(src, out, scheme=scheme, format=fmt, ignore=list(ignore), device=device,
+                                     max_shard_size=max_shard_size, overwrite=overwrite, progress=sys.stderr.isatty(),
+                                     calibration=calibration, lm_head=lm_head, kv_cache=kv_cache)
+            except InterruptedAfterWriting:  # OUT is whole: recorded all the same
+                if recorded:
+                    record_conversion(src, out, scheme, fmt, time.perf_counter() - started)
+                raise
+            if recorded:
+                record_conversion(src, out, scheme, fmt, report.seconds)
         finally:
             if lock is not None:
                 lock.release()
     except Fp8kitError as e:
         _fail(str(e))
-    except InterruptedAfterWriting as e:
-        _fail(f"interrupted once {e.out} was written completely; it holds the whole conversion", 130)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        written = e.out if isinstance(e, InterruptedAfterWriting) else report.out if report is not None else None
+        if written is not None:  # in its final renames, or while the cache recorded it
+            _fail(f"interrupted once {written} was written completely; it holds the whole conversion", 130)
         _fail(f"interrupted; nothing was written to {out}", 130)
     for w in report.warnings:
         click.echo(f"warning: {w}", err=True)
@@ -325,7 +336,7 @@ def cache_rm(name, remove_all):
     if name and not Path(name).expanduser().is_dir():  # a pasted name's stray spaces, as resolve strips them
         name = name.strip()
     if bool(name) == remove_all:
-        _fail("give a model NAME or --all", 2)
+        _fail("give a model NAME or --all, not both" if remove_all else "give a model NAME or --all", 2)
     try:
         removed = remove(None if remove_all else name)
     except Fp8kitError as e:

@@ -28,6 +28,10 @@ def static_activations(quantization_config: dict) -> bool:
                and g["input_activations"].get("dynamic") is False for g in groups.values())
 
 
+# what scheme_of's names are, for messages: "dynamic" next to "static activation scales" read as a contradiction
+WEIGHT_SCALES = {"dynamic": "per-channel", "block": "128x128 block", "tensor": "per-tensor"}
+
+
 def scheme_of(quantization_config: dict, where: str = "quantization_config") -> str:
     """The FP8 scheme of a checkpoint's quantization_config: 'dynamic' (per-channel weights), 'block' (128x128) or
     'tensor'. Anything else (INT8 W8A8 or INT4 compressed-tensors, FP4, config groups with different schemes,

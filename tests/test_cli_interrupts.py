@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fp8kit.models import build_checkpoint
+from leftovers import killed_partial
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +188,7 @@ def test_stale_partial_folder_is_removed_by_the_next_conversion_and_by_cache_rm(
 
     shutil.copytree(llama_dir, src)
     entry = cached_conversion(str(src), "dynamic")
-    stale = entry.parent / f".{entry.name}.partial-abcd1234"
-    stale.mkdir()
+    stale = killed_partial(entry.parent / f".{entry.name}.partial-abcd1234")
     (stale / "model.safetensors").write_bytes(b"\0" * 1000)
     listing = CliRunner().invoke(main, ["cache", "list"])
     assert listing.exit_code == 0 and str(stale) in listing.stdout and "UNFINISHED" in listing.stdout
@@ -196,7 +196,7 @@ def test_stale_partial_folder_is_removed_by_the_next_conversion_and_by_cache_rm(
     assert cached_conversion(str(src), "dynamic") == entry and not stale.exists()
 
     # a model whose only conversion was killed: just a lock file and the partial folder
-    stale.mkdir()
+    killed_partial(stale)
     shutil.rmtree(entry)
     result = CliRunner().invoke(main, ["cache", "rm", str(src)])
     assert result.exit_code == 0, result.stderr
@@ -259,8 +259,39 @@ def test_where_no_lock_can_be_had_a_partial_folder_is_never_taken_for_abandoned(
     with output.atomic_directory(out, overwrite=False) as partial:
         assert not (partial / output.WRITING).exists()
         assert output.remove_abandoned(out) == [] and partial.exists()
+        assert output.writer_alive(partial)  # nor by the registry cache (it took it for dead and deleted it)
         (partial / "a.txt").write_text("a")
     assert [f.name for f in out.iterdir()] == ["a.txt"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock")
+def test_the_writer_s_lock_holds_until_its_folder_is_out(tmp_path, monkeypatch):
+    """The lock file was deleted before the files' modes were set and the folder renamed: in that window the cache
+    took a live conversion's folder for abandoned and deleted it (the conversion then failed, or an rmtree running
+    through the rename emptied OUT). It is held until the folder is OUT now, and OUT keeps none. A folder an
+    overwrite moved the old OUT aside to holds none and is the cache's to remove; a partial one without one (made
+    this instant, or where no lock can be had) is not."""
+    from fp8kit.converter import output
+    from fp8kit.registry.cache import _unfinished_of
+
+    out = tmp_path / "out"
+    seen = []
+    set_modes = output._modes_from_umask
+
+    def look_then_set_modes(folder):
+        seen.append((output.writer_alive(folder), _unfinished_of(out), output.remove_abandoned(out)))
+        return set_modes(folder)
+
+    monkeypatch.setattr(output, "_modes_from_umask", look_then_set_modes)
+    for overwrite in (False, True):
+        with output.atomic_directory(out, overwrite=overwrite) as partial:
+            (partial / "a.txt").write_text("a")
+        assert [f.name for f in out.iterdir()] == ["a.txt"] and [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert seen == [(True, [], [])] * 2
+    aside, making = tmp_path / ".out.old-0123abcd", tmp_path / ".out.partial-0123abcd"
+    aside.mkdir()
+    making.mkdir()
+    assert not output.writer_alive(aside) and output.writer_alive(making) and _unfinished_of(out) == [aside]
 
 
 def test_an_out_made_by_another_run_meanwhile_is_never_replaced(tmp_path):
@@ -357,6 +388,51 @@ def test_fp8_convert_interrupted_once_out_is_replaced_says_out_is_whole(tmp_path
     assert result.exit_code == 130, result.output
     assert result.stderr == f"error: interrupted once {out} was written completely; it holds the whole conversion\n"
     assert (out / "config.json").exists() and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize("how", ["ensure", "fp8-convert", "fp8-convert, while recording"])
+def test_an_entry_written_whole_before_an_interrupt_is_recorded_or_said_whole(tmp_path, monkeypatch, llama_dir, how):
+    """An interrupt held through the final rename (InterruptedAfterWriting) left a whole cache entry without its
+    marker: the next ensure() converted it again, and fp8-convert said it "holds the whole conversion" of an entry the
+    cache ignored. An interrupt while fp8-convert recorded the entry said "nothing was written" of a whole one."""
+    import shlex
+    import shutil
+
+    from click.testing import CliRunner
+
+    from fp8kit.cli import fp8_convert
+    from fp8kit.converter.output import InterruptedAfterWriting, sigterm_as_interrupt
+    from fp8kit.registry import cache, resolve
+
+    monkeypatch.setenv("FP8KIT_CACHE", str(tmp_path / "fp8cache"))
+    src = tmp_path / "tiny"
+    shutil.copytree(llama_dir, src)
+    answer = resolve(str(src), "dynamic")
+    entry = Path(answer.cache_dir)
+    rename = Path.rename
+
+    def rename_then_signal(self, target):
+        moved = rename(self, target)
+        if Path(target) == entry:
+            signal.raise_signal(signal.SIGTERM)
+        return moved
+
+    with monkeypatch.context() as patch:
+        if how.endswith("recording"):
+            patch.setattr(cache, "_write_marker", lambda *a: signal.raise_signal(signal.SIGTERM))
+        else:
+            patch.setattr(Path, "rename", rename_then_signal)
+        if how == "ensure":
+            with pytest.raises(InterruptedAfterWriting):
+                cache.ensure(str(src), "dynamic")
+        else:
+            with sigterm_as_interrupt():  # as the console script runs it: a SIGTERM after the conversion is one too
+                result = CliRunner().invoke(fp8_convert, shlex.split(answer.convert_command)[1:])
+            assert result.exit_code == 130, result.output
+            assert result.stderr == (f"error: interrupted once {entry} was written completely; it holds the whole "
+                                     f"conversion\n")
+    assert (entry / "config.json").exists()
+    assert resolve(str(src), "dynamic").cached is (not how.endswith("recording"))
 
 
 def test_a_failed_final_rename_puts_the_replaced_out_back(tmp_path, monkeypatch):

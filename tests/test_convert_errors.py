@@ -186,7 +186,9 @@ def test_bad_options(llama_dir, tmp_path):
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--ignore", "("), out, "--ignore")
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--max-shard-size", "lots"), out, "lots")
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "block", "--format", "fp8", "--lm-head"), out, "--lm-head")
-    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "tensor-static", "--lm-head"), out, "--lm-head")
+    # "for --scheme dynamic, block or tensor" named block, which --lm-head refuses
+    assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "tensor-static", "--lm-head"), out,
+                         "--lm-head is for --scheme dynamic or tensor:")
     assert_clean_failure(*run_cli(llama_dir, out, "--scheme", "dynamic", "--lm-head", "--ignore", "head"), out,
                          "--lm-head", "--ignore")
 

@@ -399,3 +399,17 @@ def test_tensor_static_is_compressed_tensors_only(tmp_path, src, isolated):
     result = CliRunner().invoke(main, ["publish", str(src), "--base-model", "org/tiny", "--org", "me", "--dry-run",
                                        "--format", "fp8", "--scheme", "block", "--scheme", "tensor-static"])
     assert "tensor-static is written in the compressed-tensors format only" in one_line_error(result)
+
+
+def test_a_source_readme_without_a_metadata_header_gives_no_terms_and_no_hub_warning(tmp_path, caplog):
+    """huggingface_hub's ModelCard logged "Repo card metadata block was not found" on every publish of such a source."""
+    import logging
+
+    from fp8kit.hub.card import source_terms
+
+    (tmp_path / "README.md").write_text("# A model\n\nNo front matter here.\n")
+    with caplog.at_level(logging.INFO, logger="huggingface_hub"):
+        assert source_terms(tmp_path) == {}
+        (tmp_path / "README.md").write_text("---\nlicense: apache-2.0\n---\n# A model\n")
+        assert source_terms(tmp_path) == {"license": "apache-2.0"}
+    assert caplog.records == []

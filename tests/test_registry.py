@@ -17,6 +17,7 @@ from fp8kit.errors import Fp8kitError
 from fp8kit.registry import catalog, load, resolve
 from fp8kit.registry import resolution as resolve_module
 from fp8kit.registry.catalog import Variant
+from leftovers import killed_partial
 
 COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
 
@@ -300,7 +301,7 @@ def test_static_activation_scales_on_channel_weights_answer_no_request(tmp_path,
         group["input_activations"].update(dynamic=False, strategy="tensor")
     (upload / "config.json").write_text(json.dumps(config))
     with pytest.raises(Fp8kitError, match=r"^me/tiny-FP8-Dynamic: the registry overlay \(FP8KIT_REGISTRY\) lists it as "
-                                          r"dynamic \(compressed-tensors\), but its config.json declares dynamic weights "
+                                          r"dynamic \(compressed-tensors\), but its config.json declares per-channel weights "
                                           r"with static activation scales \(compressed-tensors\)"):
         check_upload(upload, answer)
 
@@ -471,6 +472,10 @@ def test_cache_rm_all_removes_only_fp8kit_entries(tmp_path):
     (entry / "fp8kit-entry.json").write_text("not json")
     listing = CliRunner().invoke(main, ["cache", "list", "--json"])
     assert listing.exit_code == 0 and json.loads(listing.stdout)[0]["ok"] is False
+    both = CliRunner().invoke(main, ["cache", "rm", "org/m", "--all"])  # said "give a model NAME or --all"
+    assert both.exit_code == 2 and both.stderr == "error: give a model NAME or --all, not both\n" and entry.exists()
+    neither = CliRunner().invoke(main, ["cache", "rm"])
+    assert neither.exit_code == 2 and neither.stderr == "error: give a model NAME or --all\n"
     result = CliRunner().invoke(main, ["cache", "rm", "--all"])
     assert result.exit_code == 0
     assert (root / "someone-else" / "data").exists() and not (root / "org--m").exists()
@@ -568,7 +573,7 @@ def test_cache_rm_leaves_a_conversion_that_is_running(tmp_path):
     root = tmp_path / "fp8cache"
     busy = root / "org--busy" / COMMIT
     busy.mkdir(parents=True)
-    (busy / ".dynamic-compressed-tensors-fp8kit0.1.0.partial-abc").mkdir()
+    killed_partial(busy / ".dynamic-compressed-tensors-fp8kit0.1.0.partial-abc")
     idle = root / "org--idle" / COMMIT / "dynamic-compressed-tensors-fp8kit0.1.0"
     idle.mkdir(parents=True)
     (idle.parent / "dynamic-compressed-tensors-fp8kit0.1.0.lock").write_text("")
@@ -647,8 +652,7 @@ def test_an_unfinished_conversion_of_a_local_checkpoint_is_listed_by_its_path(tm
     shutil.copytree(llama_dir, local)
     entry = Path(cached_conversion(str(local), "dynamic"))
     shutil.rmtree(entry)  # as if the first conversion had been killed: only its temporary folder is left
-    stale = entry.parent / f".{entry_name('dynamic')}.partial-killed"
-    stale.mkdir()
+    stale = killed_partial(entry.parent / f".{entry_name('dynamic')}.partial-killed")
     listing = CliRunner().invoke(main, ["cache", "list", "--json"])
     [row] = json.loads(listing.stdout)
     assert (row["name"], row["status"], row["path"]) == (str(local.resolve()), "unfinished", str(stale))

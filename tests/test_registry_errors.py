@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from fp8kit.cli import main
 from fp8kit.registry import load
+from leftovers import killed_partial
 
 APPEND = """
 import resource, sys
@@ -269,8 +270,7 @@ def test_cache_rm_of_a_pinned_name_removes_its_unfinished_conversion(pinned_hub)
 
     commit_dir = pinned_hub / "me--tiny" / COMMIT
     commit_dir.mkdir(parents=True)
-    stale = commit_dir / f".{entry_name('dynamic')}.partial-abcd1234"
-    stale.mkdir()
+    stale = killed_partial(commit_dir / f".{entry_name('dynamic')}.partial-abcd1234")
     (stale / "model.safetensors").write_bytes(b"\0" * 1000)
     (commit_dir / f"{entry_name('dynamic')}.lock").write_text("")
 
@@ -580,8 +580,7 @@ def test_a_killed_fp8_convert_into_the_cache_is_named_and_cleaned_up(tmp_path, l
     argv = shlex.split(answer.convert_command)
     entry = Path(answer.cache_dir)
     entry_lock(answer.cache_dir, str(src))  # what fp8-convert does first, then killed while converting
-    stale = entry.parent / f".{entry.name}.partial-killed"
-    stale.mkdir()
+    stale = killed_partial(entry.parent / f".{entry.name}.partial-killed")
     (stale / "model.safetensors").write_bytes(b"half")
     [row] = json.loads(CliRunner().invoke(main, ["cache", "list", "--json"]).stdout)
     assert (row["name"], row["status"]) == (str(src.resolve()), "unfinished")
@@ -590,13 +589,16 @@ def test_a_killed_fp8_convert_into_the_cache_is_named_and_cleaned_up(tmp_path, l
     assert result.exit_code == 0, result.output
     assert not stale.exists() and ensure(str(src), "dynamic") == entry
 
-    stale.mkdir()  # killed again beside the finished entry: ensure() tidies it up
+    killed_partial(stale)  # killed again beside the finished entry: ensure() tidies it up
     assert ensure(str(src), "dynamic") == entry and not stale.exists()
 
 
-def test_fp8_convert_into_an_entry_whose_model_folder_is_linked_elsewhere_is_recorded(tmp_path, llama_dir):
+@pytest.mark.parametrize("linked", ["model folder", "entry"])
+def test_fp8_convert_into_an_entry_linked_elsewhere_is_recorded(tmp_path, llama_dir, linked):
     """A model folder of the cache linked to another disk: resolving OUT put the entry outside the cache, so the
-    command `fp8kit resolve` prints took no entry lock and recorded nothing, and resolve planned it again."""
+    command `fp8kit resolve` prints took no entry lock and recorded nothing, and resolve planned it again. The entry
+    folder itself linked there (not yet made): its resolved parent was compared with the commit folder, and the
+    command was refused as converting "inside the cache" into another folder."""
     import shlex
     import shutil
 
@@ -609,12 +611,19 @@ def test_fp8_convert_into_an_entry_whose_model_folder_is_linked_elsewhere_is_rec
     answer = resolve(str(src), "dynamic")
     entry = Path(answer.cache_dir)
     (tmp_path / "disk2").mkdir()
-    entry.parent.parent.parent.mkdir(parents=True)
-    entry.parent.parent.symlink_to(tmp_path / "disk2")
-    assert entry_lock(entry, str(src)) is not None
+    if linked == "model folder":
+        entry.parent.parent.parent.mkdir(parents=True)
+        entry.parent.parent.symlink_to(tmp_path / "disk2")
+        written = tmp_path / "disk2" / entry.parent.name / entry.name
+    else:
+        entry.parent.mkdir(parents=True)
+        written = tmp_path / "disk2" / "dynamic"
+        entry.symlink_to(written)
+    lock = entry_lock(entry, str(src))
+    assert lock is not None and Path(lock.lock_file).name == entry.name + ".lock"
     result = CliRunner().invoke(fp8_convert, shlex.split(answer.convert_command)[1:])
     assert result.exit_code == 0, result.output
-    assert resolve(str(src), "dynamic").cached and (tmp_path / "disk2" / entry.parent.name / entry.name).is_dir()
+    assert resolve(str(src), "dynamic").cached and (written / "fp8kit-entry.json").is_file()
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="flock")
@@ -665,7 +674,7 @@ def test_cache_rm_of_a_killed_local_conversion_after_its_checkpoint_is_gone(tmp_
     shutil.copytree(llama_dir, local)
     entry = Path(cached_conversion(str(local), "dynamic"))
     shutil.rmtree(entry)
-    (entry.parent / f".{entry_name('dynamic')}.partial-killed").mkdir()
+    killed_partial(entry.parent / f".{entry_name('dynamic')}.partial-killed")
     folder = model_dir(str(local))
     shutil.rmtree(local)
     [row] = json.loads(CliRunner().invoke(main, ["cache", "list", "--json"]).stdout)

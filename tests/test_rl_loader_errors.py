@@ -506,6 +506,29 @@ def test_vllm_arguments_are_refused_before_any_conversion(monkeypatch, llama_dir
     assert not converted
 
 
+def test_static_activation_scales_on_channel_weights_are_refused_for_vllm_rollouts_naming_the_weights(
+        monkeypatch, fp8_dir, tmp_path):
+    """vLLM would quantize with the checkpoint's static scales and the trainer per token; the refusal named every such
+    checkpoint tensor-static, per-channel weights included (llm-compressor's FP8 with static activations)."""
+    import fp8kit.rl.model as rl_model
+    from fp8kit.rl import vllm_engine
+
+    static = tmp_path / "channel-static"
+    shutil.copytree(fp8_dir, static)
+    config = json.loads((static / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    group["input_activations"].update(dynamic=False, strategy="tensor")
+    (static / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(rl_model, "_vllm_available", lambda: True)
+    monkeypatch.setattr(rl_model, "_check_vllm_model", lambda *a: None)  # vLLM's own checks need vLLM installed
+    monkeypatch.setattr(vllm_engine, "VLLMRollout", lambda *a, **k: pytest.fail("the engine started"))
+    with pytest.raises(Fp8kitError) as e:
+        rl_model.load_model(str(static), device="cuda", lora_rank=8)
+    _one_line(e, f"{static}: static activation scales (per-channel weights)", "--scheme tensor or dynamic")
+
+
 def test_a_second_vllm_engine_in_the_process_is_refused_before_any_conversion(monkeypatch, llama_dir):
     """vLLM's sleep-mode allocator serves one engine per process at a time: with an earlier engine's memory in its pool
     (made here: the allocator module as vLLM leaves it), load_model is refused before converting anything, and the

@@ -114,7 +114,7 @@ def sigterm_as_interrupt():
         _raised.clear()
 
 
-WRITING = ".fp8kit-writing"  # inside a partial folder, locked by its writer until the folder is renamed
+WRITING = ".fp8kit-writing"  # inside a partial folder, locked by its writer until the folder has become OUT
 
 
 @contextlib.contextmanager
@@ -205,13 +205,17 @@ def remove_partial(folder: Path) -> None:
 
 
 def writer_alive(folder: Path) -> bool:
-    """Whether a live process is filling this partial folder: its WRITING file is held locked. The registry cache
-    asks before removing a conversion's leftovers: its entry lock does not cover an fp8-convert whose OUT names the
-    entry through another path (a symlink, another mount)."""
+    """Whether this temporary folder of OUT may be a live process's: a partial folder whose WRITING file is held
+    locked, or has none (made this instant, or made where no lock can be had: never taken for abandoned, as
+    remove_abandoned does not). A folder an overwrite moved the old OUT aside to (`.OUT.old-*`) holds none and is
+    taken for dead: its writer deletes it within the run (deleting it meanwhile takes nothing that run needs, unless
+    its final rename fails in the same instant), and one a run killed outright left is the cache's to remove. The
+    registry cache asks before removing a conversion's leftovers: its entry lock does not cover an fp8-convert whose
+    OUT names the entry through another path (a symlink, another mount)."""
     try:
         fd = os.open(folder / WRITING, os.O_RDWR)
-    except FileNotFoundError:  # none: a dead writer's, an older fp8kit's, or a platform without locks
-        return False
+    except FileNotFoundError:
+        return folder.name.rpartition(".")[2].startswith("partial-")
     except OSError:  # another account's, say: whether it lives cannot be told, so it is never removed
         return True
     try:
@@ -257,7 +261,6 @@ def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None, w
                               f"or make {nearest or out.parent} writable") from e
         yield partial
         raise_swallowed_interrupt()  # one that came while a module was imported along the way: OUT is not made
-        (partial / WRITING).unlink(missing_ok=True)  # still locked through `writing` until the rename
         _modes_from_umask(partial)
         with interrupts_deferred():  # OUT is never left moved aside with the new folder not yet in its place
             if out.exists() and overwrite:
@@ -272,6 +275,10 @@ def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None, w
                     raise _taken_meanwhile(out, overwrite) from e
                 raise
             ok = True
+            # WRITING went along, still locked: until here the folder was a live writer's under its partial name (the
+            # cache removes the folders of dead ones), and a rename that failed left it removable
+            with contextlib.suppress(OSError):
+                (out / WRITING).unlink()
             if written is not None:
                 written.append(out)
     except OSError as e:
@@ -341,7 +348,7 @@ def _modes_from_umask(folder: Path) -> None:
     save_pretrained, for tensor-static) creates 0600 files that another account could not read."""
     folder_mode = _mkdir_mode()
     for p in folder.rglob("*"):
-        if not p.is_symlink():
+        if not p.is_symlink() and p.name != WRITING:
             p.chmod(folder_mode if p.is_dir() else folder_mode & 0o666)
 
 

@@ -372,7 +372,7 @@ def check_options(scheme: str, format: str = "compressed-tensors", ignore=(), lm
     """convert()'s options, checked without the source: also by `fp8kit publish`, for every variant of every plan
     entry before the first is converted."""
     if lm_head and scheme == "tensor-static":
-        raise Fp8kitError("--lm-head is for --scheme dynamic, block or tensor: tensor-static calibrates the "
+        raise Fp8kitError("--lm-head is for --scheme dynamic or tensor: tensor-static calibrates the "
                           "decoder's Linear layers only and keeps lm_head in source precision; leave it out")
     if lm_head and format != "compressed-tensors":
         raise Fp8kitError("--lm-head is written in the compressed-tensors format only (vLLM's fp8 format has no FP8 "

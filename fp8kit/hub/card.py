@@ -5,6 +5,7 @@ License and gating fields are copied from the source card: a quantized copy carr
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 SCHEME_TEXT = {
@@ -38,7 +39,10 @@ def source_terms(src: Path) -> dict:
     from fp8kit.errors import Fp8kitError
 
     try:
-        data = ModelCard(readme.read_text()).data.to_dict()
+        text = readme.read_text()
+        if not re.match(r"\s*---[\r\n]", text):  # no metadata header: ModelCard would log a warning about it
+            return {}
+        data = ModelCard(text).data.to_dict()
     except Exception as e:  # noqa: BLE001 - yaml's errors, a non-mapping header, UnicodeDecodeError
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise Fp8kitError(f"{readme}: its metadata header cannot be read ({first}); fix its YAML front matter "

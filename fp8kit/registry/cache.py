@@ -129,7 +129,7 @@ def ensure_resolved(answer) -> Path:
 def check_upload(path: Path, answer) -> None:
     """The upload holds what its registry entry says: a block upload listed as dynamic, or one without any
     quantization_config, would be handed out as something it is not."""
-    from fp8kit.quality import scheme_of, static_activations
+    from fp8kit.quality import WEIGHT_SCALES, scheme_of, static_activations
 
     where = "the shipped catalog" if answer.source == "catalog" else "the registry overlay (FP8KIT_REGISTRY)"
     listed = f"{answer.variant_scheme} ({answer.format})"
@@ -149,7 +149,8 @@ def check_upload(path: Path, answer) -> None:
             # GRPO runtime, which asks for dynamic or tensor, refuses them; on channel or block weights (vLLM serves
             # those too) they are no scheme a registry entry can name, so no request gets them
             if static_activations(qc):
-                scheme = "tensor-static" if scheme == "tensor" else f"{scheme} weights with static activation scales"
+                scheme = ("tensor-static" if scheme == "tensor"
+                          else f"{WEIGHT_SCALES[scheme]} weights with static activation scales")
             found = f"{scheme} ({method})"
         except Fp8kitError:
             found = f"a quantization_config fp8kit does not read (quant_method {method!r})"
@@ -194,8 +195,14 @@ def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -
             return entry
         remove_unfinished(entry)  # left by a conversion killed outright: no other process holds this lock
         from fp8kit.converter import convert
+        from fp8kit.converter.output import InterruptedAfterWriting
 
-        report = convert(src, entry, scheme=scheme, format=fmt, overwrite=True)
+        started = time.perf_counter()
+        try:
+            report = convert(src, entry, scheme=scheme, format=fmt, overwrite=True)
+        except InterruptedAfterWriting:  # the entry is whole: recorded, so that the next ensure() uses it
+            _write_marker(entry, name, src, scheme, fmt, time.perf_counter() - started)
+            raise
         _write_marker(entry, name, src, scheme, fmt, report.seconds)
     finally:
         lock.release()
@@ -281,13 +288,17 @@ def entry_lock(out: str | Path, name: str) -> FileLock | None:
     if not any(path != folder and folder in path.parents for path, folder in ((spelled, root), (out, root.resolve()))):
         return None
     commit = (model_dir(name) / _source_commit(source.resolve(name))).expanduser().resolve()
-    if out.parent != commit:
-        raise Fp8kitError(f"{out}: inside the fp8kit cache, but {name} is cached in {commit} (its source commit), the "
-                          f"only folder ensure() looks in; convert into that folder or outside the cache; nothing was "
-                          f"converted")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _record_local_name(name, out.parent.parent)  # `cache list` names a killed conversion by it, `cache rm` takes it
-    return FileLock(out.parent / (out.name + ".lock"))
+    # the entry's name: as spelled in its commit folder (the entry itself may link to another disk), or the name a
+    # link elsewhere resolves to there
+    entry = spelled.name if spelled.parent.resolve() == commit else out.name if out.parent == commit else None
+    if entry is None:
+        inside = spelled if root in spelled.parents else out
+        raise Fp8kitError(f"{inside}: inside the fp8kit cache, but {name} is cached in {commit} (its source commit), "
+                          f"the only folder ensure() looks in; convert into that folder or outside the cache; nothing "
+                          f"was converted")
+    commit.mkdir(parents=True, exist_ok=True)
+    _record_local_name(name, commit.parent)  # `cache list` names a killed conversion by it, `cache rm` takes it
+    return FileLock(commit / (entry + ".lock"))
 
 
 def record_conversion(name: str, out: str | Path, scheme: str, fmt: str, seconds: float) -> bool:
@@ -462,8 +473,9 @@ def _refuse_busy(busy: list[Path], removed: list[Path]) -> None:
     """A folder left because a conversion holds its entry lock: one error line, after the others were removed."""
     if busy:
         done = f"; removed {len(removed)} other folder(s)" if removed else ""
-        raise Fp8kitError(f"{busy[0]}: a conversion is running there (it holds its entry's lock or its folder's); run "
-                          f"the same `cache rm` again once it has finished{done}")
+        raise Fp8kitError(f"{busy[0]}: a conversion is running there (it holds its entry's lock or its folder's, or its "
+                          f"folder has no lock file: one a killed run left where no lock can be had stays for you to "
+                          f"delete); run the same `cache rm` again once it has finished{done}")
 
 
 ENTRY_LOCKS = "*-fp8kit*.lock"  # `{entry_name}.lock`, as cached_conversion() and entry_lock() name them
