@@ -151,7 +151,7 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
                 as_json):
     """Convert the safetensors checkpoint SRC (a directory or a Hub id org/name[@revision]) into FP8 at OUT."""
     # SIGTERM unwinds like Ctrl-C (set up by main(), see _Interruptible), so the temporary output is removed.
-    report = None
+    report = whole = None  # whole: OUT once it is in place, for the line an interrupt after that prints
     try:
         from fp8kit.converter import convert
         from fp8kit.registry.cache import entry_lock, record_conversion, remove_unfinished
@@ -180,10 +180,12 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
                     report = convert(src, out, scheme=scheme, format=fmt, ignore=list(ignore), device=device,
                                      max_shard_size=max_shard_size, overwrite=overwrite, progress=sys.stderr.isatty(),
                                      calibration=calibration, lm_head=lm_head, kv_cache=kv_cache)
-            except InterruptedAfterWriting:  # OUT is whole: recorded all the same
+            except InterruptedAfterWriting as e:  # OUT is whole: recorded all the same
+                whole = e.out
                 if recorded:
                     record_conversion(src, out, scheme, fmt, time.perf_counter() - started)
                 raise
+            whole = report.out
             if recorded:
                 record_conversion(src, out, scheme, fmt, report.seconds)
         finally:
@@ -192,8 +194,8 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
     except Fp8kitError as e:
         _fail(str(e))
     except KeyboardInterrupt as e:
-        written = e.out if isinstance(e, InterruptedAfterWriting) else report.out if report is not None else None
-        if written is not None:  # in its final renames, or while the cache recorded it
+        written = e.out if isinstance(e, InterruptedAfterWriting) else whole or (report and report.out)
+        if written is not None:  # in its final renames or after them, or while the cache recorded it
             _fail(f"interrupted once {written} was written completely; it holds the whole conversion", 130)
         _fail(f"interrupted; nothing was written to {out}", 130)
     for w in report.warnings:

@@ -257,8 +257,9 @@ def test_where_no_lock_can_be_had_a_partial_folder_is_never_taken_for_abandoned(
     monkeypatch.setattr(output, "_try_lock", lambda fd: False)
     out = tmp_path / "out2"
     with output.atomic_directory(out, overwrite=False) as partial:
-        assert not (partial / output.WRITING).exists()
+        assert [f.name for f in partial.iterdir()] == [output.NO_LOCK]  # not WRITING: no lock on it
         assert output.remove_abandoned(out) == [] and partial.exists()
+        os.utime(partial, (time.time() - 3600,) * 2)  # an hour old
         assert output.writer_alive(partial)  # nor by the registry cache (it took it for dead and deleted it)
         (partial / "a.txt").write_text("a")
     assert [f.name for f in out.iterdir()] == ["a.txt"]
@@ -292,6 +293,11 @@ def test_the_writer_s_lock_holds_until_its_folder_is_out(tmp_path, monkeypatch):
     aside.mkdir()
     making.mkdir()
     assert not output.writer_alive(aside) and output.writer_alive(making) and _unfinished_of(out) == [aside]
+    # a partial folder with no lock file that has not changed for a while: what a removal or a run cut short between
+    # the folder's mkdir and its lock file, or between the lock file's removal and the rmdir, leaves
+    (making / "model.safetensors").write_bytes(b"half")
+    os.utime(making, (time.time() - output.MAKING_S - 1,) * 2)
+    assert not output.writer_alive(making) and _unfinished_of(out) == [aside, making]
 
 
 def test_an_out_made_by_another_run_meanwhile_is_never_replaced(tmp_path):
@@ -390,17 +396,20 @@ def test_fp8_convert_interrupted_once_out_is_replaced_says_out_is_whole(tmp_path
     assert (out / "config.json").exists() and [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
-@pytest.mark.parametrize("how", ["ensure", "fp8-convert", "fp8-convert, while recording"])
+@pytest.mark.parametrize("how", ["ensure", "fp8-convert", "ensure, measuring", "fp8-convert, measuring",
+                                 "fp8-convert, while recording"])
 def test_an_entry_written_whole_before_an_interrupt_is_recorded_or_said_whole(tmp_path, monkeypatch, llama_dir, how):
     """An interrupt held through the final rename (InterruptedAfterWriting) left a whole cache entry without its
     marker: the next ensure() converted it again, and fp8-convert said it "holds the whole conversion" of an entry the
-    cache ignored. An interrupt while fp8-convert recorded the entry said "nothing was written" of a whole one."""
+    cache ignored. One while the converter measured the written files for its report, or while fp8-convert recorded
+    the entry, said "nothing was written" of a whole one (and left it unrecorded)."""
     import shlex
     import shutil
 
     from click.testing import CliRunner
 
     from fp8kit.cli import fp8_convert
+    from fp8kit.converter import source
     from fp8kit.converter.output import InterruptedAfterWriting, sigterm_as_interrupt
     from fp8kit.registry import cache, resolve
 
@@ -409,7 +418,7 @@ def test_an_entry_written_whole_before_an_interrupt_is_recorded_or_said_whole(tm
     shutil.copytree(llama_dir, src)
     answer = resolve(str(src), "dynamic")
     entry = Path(answer.cache_dir)
-    rename = Path.rename
+    rename, folder_files, signalled = Path.rename, source.folder_files, []
 
     def rename_then_signal(self, target):
         moved = rename(self, target)
@@ -417,12 +426,20 @@ def test_an_entry_written_whole_before_an_interrupt_is_recorded_or_said_whole(tm
             signal.raise_signal(signal.SIGTERM)
         return moved
 
+    def signal_then_list(folder):  # the converter's report lists OUT's files first, the marker after it
+        if not signalled:  # Ctrl-C: a library caller's SIGTERM is turned into an interrupt only while it writes
+            signalled.append(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+        return folder_files(folder)
+
     with monkeypatch.context() as patch:
         if how.endswith("recording"):
             patch.setattr(cache, "_write_marker", lambda *a: signal.raise_signal(signal.SIGTERM))
+        elif how.endswith("measuring"):
+            patch.setattr(source, "folder_files", signal_then_list)
         else:
             patch.setattr(Path, "rename", rename_then_signal)
-        if how == "ensure":
+        if how.startswith("ensure"):
             with pytest.raises(InterruptedAfterWriting):
                 cache.ensure(str(src), "dynamic")
         else:
@@ -431,7 +448,7 @@ def test_an_entry_written_whole_before_an_interrupt_is_recorded_or_said_whole(tm
             assert result.exit_code == 130, result.output
             assert result.stderr == (f"error: interrupted once {entry} was written completely; it holds the whole "
                                      f"conversion\n")
-    assert (entry / "config.json").exists()
+    assert (entry / "config.json").exists() and not list(entry.parent.glob(".*"))
     assert resolve(str(src), "dynamic").cached is (not how.endswith("recording"))
 
 

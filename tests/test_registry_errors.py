@@ -593,7 +593,7 @@ def test_a_killed_fp8_convert_into_the_cache_is_named_and_cleaned_up(tmp_path, l
     assert ensure(str(src), "dynamic") == entry and not stale.exists()
 
 
-@pytest.mark.parametrize("linked", ["model folder", "entry"])
+@pytest.mark.parametrize("linked", ["model folder", "entry", "beside the entry"])
 def test_fp8_convert_into_an_entry_linked_elsewhere_is_recorded(tmp_path, llama_dir, linked):
     """A model folder of the cache linked to another disk: resolving OUT put the entry outside the cache, so the
     command `fp8kit resolve` prints took no entry lock and recorded nothing, and resolve planned it again. The entry
@@ -615,10 +615,16 @@ def test_fp8_convert_into_an_entry_linked_elsewhere_is_recorded(tmp_path, llama_
         entry.parent.parent.parent.mkdir(parents=True)
         entry.parent.parent.symlink_to(tmp_path / "disk2")
         written = tmp_path / "disk2" / entry.parent.name / entry.name
-    else:
+    elif linked == "entry":
         entry.parent.mkdir(parents=True)
         written = tmp_path / "disk2" / "dynamic"
         entry.symlink_to(written)
+    else:  # another name in the commit folder for the entry: its lock is the entry's, not one of that name
+        entry.parent.mkdir(parents=True)
+        written = entry
+        (entry.parent / "mine").symlink_to(entry.name)
+        lock = entry_lock(entry.parent / "mine", str(src))
+        assert lock is not None and Path(lock.lock_file).name == entry.name + ".lock"
     lock = entry_lock(entry, str(src))
     assert lock is not None and Path(lock.lock_file).name == entry.name + ".lock"
     result = CliRunner().invoke(fp8_convert, shlex.split(answer.convert_command)[1:])

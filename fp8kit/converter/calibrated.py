@@ -15,7 +15,7 @@ from pathlib import Path
 from fp8kit.converter import source
 from fp8kit.converter.calibration import calibration_samples, kv_cache_scheme, model_run_error
 from fp8kit.converter.formats import ignore_list
-from fp8kit.converter.output import atomic_directory, check_out
+from fp8kit.converter.output import atomic_directory, check_out, whole_once_written
 from fp8kit.converter.schemes import SCHEMES
 from fp8kit.converter.select import natural_key, select
 from fp8kit.errors import Fp8kitError
@@ -105,41 +105,44 @@ def convert_static(src, out, calibration: str | Path | None = None, ignore=(), o
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig()
-    abandoned = []
-    with atomic_directory(out, overwrite, abandoned) as partial:
-        model.save_pretrained(partial, save_compressed=True, max_shard_size=shard_bytes)
-        generation = src_path / "generation_config.json"
-        if generation.is_file():
-            shutil.copyfile(generation, partial / generation.name)
-        else:
-            (partial / generation.name).unlink(missing_ok=True)
-        source.copy_extra_files(src_path, partial, keep_existing=True)  # save_pretrained wrote some already
-        for stray in ("recipe.yaml",):
-            (partial / stray).unlink(missing_ok=True)
-        quantized = _fp8_modules(partial)  # what was written, not what was asked for
-        if not quantized:
-            raise Fp8kitError(f"{src_path}: llm-compressor quantized none of the {len(sel.quantize)} Linear weights "
-                              f"selected (they are not torch Linear modules in this architecture); nothing was written")
-        written = set(quantized)
-        unwanted = sorted(written - set(sel.quantize), key=natural_key)
-        if unwanted:
-            raise Fp8kitError(f"{src_path}: llm-compressor quantized {len(unwanted)} weights that stay in source "
-                              f"precision ({', '.join(unwanted[:3])}{' ...' if len(unwanted) > 3 else ''}): its "
-                              f"module names did not match the checkpoint's, so nothing was written; {RUN_FIX}")
-        missed = [m for m in sel.quantize if m not in written]
-        if missed:
-            warnings.append(f"{len(missed)} weights stay in source precision because llm-compressor quantizes torch "
-                            f"Linear modules only: {', '.join(missed[:4])}{' ...' if len(missed) > 4 else ''}")
-        ignored = _write_ignore(partial, names, sel.keep + missed, written)
-    files = source.folder_files(out)
-    return ConvertReport(
-        src=str(src), out=str(out), scheme="tensor-static", format="compressed-tensors", device=str(model.device),
-        quantized=quantized, ignored=ignored, bytes_in=sum(t.nbytes for t in tensors.values()),
-        bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
-        peak_rss_bytes=peak_rss_bytes(), peak_gpu_bytes=None, files=files,
-        warnings=warnings + [f"calibrated on {len(samples)} sequences from {calibration.name}"]
-        + abandoned_warnings(abandoned),
-        unmatched_ignore=sel.unmatched_ignore)
+    abandoned, placed = [], []
+    with whole_once_written(out, placed):  # an interrupt once OUT is in place says so
+        with atomic_directory(out, overwrite, abandoned, placed) as partial:
+            model.save_pretrained(partial, save_compressed=True, max_shard_size=shard_bytes)
+            generation = src_path / "generation_config.json"
+            if generation.is_file():
+                shutil.copyfile(generation, partial / generation.name)
+            else:
+                (partial / generation.name).unlink(missing_ok=True)
+            source.copy_extra_files(src_path, partial, keep_existing=True)  # save_pretrained wrote some already
+            for stray in ("recipe.yaml",):
+                (partial / stray).unlink(missing_ok=True)
+            quantized = _fp8_modules(partial)  # what was written, not what was asked for
+            if not quantized:
+                raise Fp8kitError(f"{src_path}: llm-compressor quantized none of the {len(sel.quantize)} Linear "
+                                  f"weights selected (they are not torch Linear modules in this architecture); nothing "
+                                  f"was written")
+            written = set(quantized)
+            unwanted = sorted(written - set(sel.quantize), key=natural_key)
+            if unwanted:
+                raise Fp8kitError(f"{src_path}: llm-compressor quantized {len(unwanted)} weights that stay in source "
+                                  f"precision ({', '.join(unwanted[:3])}{' ...' if len(unwanted) > 3 else ''}): its "
+                                  f"module names did not match the checkpoint's, so nothing was written; {RUN_FIX}")
+            missed = [m for m in sel.quantize if m not in written]
+            if missed:
+                more = " ..." if len(missed) > 4 else ""
+                warnings.append(f"{len(missed)} weights stay in source precision because llm-compressor quantizes "
+                                f"torch Linear modules only: {', '.join(missed[:4])}{more}")
+            ignored = _write_ignore(partial, names, sel.keep + missed, written)
+        files = source.folder_files(out)
+        return ConvertReport(
+            src=str(src), out=str(out), scheme="tensor-static", format="compressed-tensors", device=str(model.device),
+            quantized=quantized, ignored=ignored, bytes_in=sum(t.nbytes for t in tensors.values()),
+            bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
+            peak_rss_bytes=peak_rss_bytes(), peak_gpu_bytes=None, files=files,
+            warnings=warnings + [f"calibrated on {len(samples)} sequences from {calibration.name}"]
+            + abandoned_warnings(abandoned),
+            unmatched_ignore=sel.unmatched_ignore)
 
 
 def _is_linear(module) -> bool:

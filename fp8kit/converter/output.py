@@ -23,6 +23,7 @@ import secrets
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 from fp8kit.errors import Fp8kitError
@@ -115,23 +116,37 @@ def sigterm_as_interrupt():
 
 
 WRITING = ".fp8kit-writing"  # inside a partial folder, locked by its writer until the folder has become OUT
+NO_LOCK = ".fp8kit-writing-unlocked"  # in its place where no lock can be had: whether its writer lives cannot be told
+MARKERS = (WRITING, NO_LOCK)
+# a partial folder with neither is one being made (its writer adds WRITING right after the mkdir) or the rest of a
+# removal or a run cut short in between: taken for a live writer's this long after its last change
+MAKING_S = 60.0
 
 
 @contextlib.contextmanager
-def atomic_directory(out: Path, overwrite: bool, removed: list | None = None):
+def atomic_directory(out: Path, overwrite: bool, removed: list | None = None, written: list | None = None):
     """Yields the folder to fill; on a clean exit it becomes OUT (replacing OUT only with `overwrite`).
     Parent folders it had to create are removed again on failure (only while they are empty). SIGTERM counts as
     Ctrl-C meanwhile (sigterm_as_interrupt), in the library as in the command line. Partial folders of OUT that a
-    killed run left are removed first; `removed` gets (folder, bytes) for each."""
-    with sigterm_as_interrupt():
-        written = []
-        try:
-            with _atomic_directory(out, overwrite, removed, written) as partial:
-                yield partial
-        except KeyboardInterrupt as e:
-            if written and not isinstance(e, InterruptedAfterWriting):
-                raise InterruptedAfterWriting(out) from e
-            raise
+    killed run left are removed first; `removed` gets (folder, bytes) for each. `written` gets OUT once it is in
+    place: the caller's work after it (its report) runs under whole_once_written."""
+    written = [] if written is None else written
+    with sigterm_as_interrupt(), whole_once_written(out, written):
+        with _atomic_directory(out, overwrite, removed, written) as partial:
+            yield partial
+
+
+@contextlib.contextmanager
+def whole_once_written(out: Path, written: list):
+    """A Ctrl-C or SIGTERM once OUT is in place (`written`, as atomic_directory fills it) goes up as
+    InterruptedAfterWriting: fp8-convert said "nothing was written" of a whole OUT when one came while the converter
+    closed its files or measured the output for its report, and the cache left that entry unrecorded."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        if written and not isinstance(e, InterruptedAfterWriting):
+            raise InterruptedAfterWriting(out) from e
+        raise
 
 
 class InterruptedAfterWriting(KeyboardInterrupt):
@@ -160,13 +175,14 @@ def _try_lock(fd: int) -> bool:
 def _hold_writing_lock(partial: Path, held: list) -> None:
     """Opens and locks the WRITING file of a folder this process is filling, its fd appended to `held` (closed, so
     unlocked, once the folder is renamed). Locked under another name and then renamed: no other run ever sees it
-    unlocked. Where no lock can be had there is no WRITING file, and the folder is never taken for abandoned."""
+    unlocked. Where no lock can be had the file is NO_LOCK instead, and the folder is never taken for abandoned."""
     unlocked = partial / f"{WRITING}.{secrets.token_hex(4)}"
     held.append(os.open(unlocked, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
     if _try_lock(held[-1]):
         os.rename(unlocked, partial / WRITING)
     else:
-        unlocked.unlink()
+        os.close(held.pop())  # Windows renames no open file
+        os.rename(unlocked, partial / NO_LOCK)
 
 
 def remove_abandoned(out: Path) -> list[tuple[Path, int]]:
@@ -195,27 +211,35 @@ def remove_abandoned(out: Path) -> list[tuple[Path, int]]:
 
 
 def remove_partial(folder: Path) -> None:
-    """Delete a partial folder, its WRITING file last: a removal cut short (a second Ctrl-C, a SIGKILL) leaves a
-    folder the next run still knows abandoned, not one without a lock file that no run would ever remove."""
+    """Delete a partial folder, its WRITING (or NO_LOCK) file last: a removal cut short (a second Ctrl-C, a SIGKILL)
+    leaves a folder the next run still knows abandoned, not one without a lock file that no run would ever remove."""
     for child in folder.iterdir():
-        if child.name != WRITING:
+        if child.name not in MARKERS:
             shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-    (folder / WRITING).unlink(missing_ok=True)
+    for marker in MARKERS:
+        if (folder / marker).exists():
+            (folder / marker).unlink()
     folder.rmdir()
 
 
 def writer_alive(folder: Path) -> bool:
     """Whether this temporary folder of OUT may be a live process's: a partial folder whose WRITING file is held
-    locked, or has none (made this instant, or made where no lock can be had: never taken for abandoned, as
-    remove_abandoned does not). A folder an overwrite moved the old OUT aside to (`.OUT.old-*`) holds none and is
-    taken for dead: its writer deletes it within the run (deleting it meanwhile takes nothing that run needs, unless
-    its final rename fails in the same instant), and one a run killed outright left is the cache's to remove. The
-    registry cache asks before removing a conversion's leftovers: its entry lock does not cover an fp8-convert whose
-    OUT names the entry through another path (a symlink, another mount)."""
+    locked, one made where no lock can be had (NO_LOCK: never taken for abandoned), or one with neither file changed
+    in the last MAKING_S seconds (being made; older, it is what a removal or a run cut short at that point left). A
+    folder an overwrite moved the old OUT aside to (`.OUT.old-*`) holds none and is taken for dead: its writer
+    deletes it within the run (deleting it meanwhile takes nothing that run needs, unless its final rename fails in
+    the same instant), and one a run killed outright left is the cache's to remove. The registry cache asks before
+    removing a conversion's leftovers: its entry lock does not cover an fp8-convert whose OUT names the entry
+    through another path (a symlink, another mount)."""
     try:
         fd = os.open(folder / WRITING, os.O_RDWR)
     except FileNotFoundError:
-        return folder.name.rpartition(".")[2].startswith("partial-")
+        if not folder.name.rpartition(".")[2].startswith("partial-"):
+            return False
+        try:
+            return (folder / NO_LOCK).exists() or time.time() - folder.stat().st_mtime < MAKING_S
+        except OSError:  # gone meanwhile: most likely renamed to OUT by its writer, which may still be finishing
+            return True
     except OSError:  # another account's, say: whether it lives cannot be told, so it is never removed
         return True
     try:
@@ -277,8 +301,9 @@ def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None, w
             ok = True
             # WRITING went along, still locked: until here the folder was a live writer's under its partial name (the
             # cache removes the folders of dead ones), and a rename that failed left it removable
-            with contextlib.suppress(OSError):
-                (out / WRITING).unlink()
+            for marker in MARKERS:
+                with contextlib.suppress(OSError):
+                    (out / marker).unlink(missing_ok=True)
             if written is not None:
                 written.append(out)
     except OSError as e:
@@ -348,7 +373,7 @@ def _modes_from_umask(folder: Path) -> None:
     save_pretrained, for tensor-static) creates 0600 files that another account could not read."""
     folder_mode = _mkdir_mode()
     for p in folder.rglob("*"):
-        if not p.is_symlink() and p.name != WRITING:
+        if not p.is_symlink() and p.name not in MARKERS:
             p.chmod(folder_mode if p.is_dir() else folder_mode & 0o666)
 
 

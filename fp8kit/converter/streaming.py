@@ -24,7 +24,7 @@ import torch
 from fp8kit.converter import source
 from fp8kit.converter.calibration import KV_CACHE_DTYPES, kv_cache_scales, kv_cache_scheme
 from fp8kit.converter.formats import FORMATS, ignore_list, quantization_config, scale_name
-from fp8kit.converter.output import atomic_directory, check_out
+from fp8kit.converter.output import atomic_directory, check_out, whole_once_written
 from fp8kit.converter.safetensors_io import (DTYPES, ITEMSIZE, OutTensor, TensorInfo, layout,
                                              read_bytes, save_small, to_tensor, write_all)
 from fp8kit.converter.schemes import SCHEMES, Scheme, amax, quantize_with_scale, scale_from_amax
@@ -464,39 +464,43 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
 
     bar = tqdm(total=bytes_in, unit="B", unit_scale=True, unit_divisor=1024, desc=f"fp8-convert {scheme}",
                disable=not progress, leave=False)
-    abandoned = []
-    try:
-        with atomic_directory(out, overwrite, abandoned) as partial:
-            for name, shard in zip(names, shards):
-                try:
-                    _write_shard(partial / name, shard, inputs, spec, dev, bar.update)
-                except OSError as e:
-                    raise Fp8kitError(f"{out / name}: cannot write ({e.strerror}); free disk space or choose "
-                                      f"another OUT") from e
-            if kv_scales:  # measured after the weight shards were laid out, so not inside one
-                try:
-                    save_small(kv_scales, partial / names[-1])
-                except OSError as e:
-                    raise Fp8kitError(f"{out / names[-1]}: cannot write ({e.strerror or e}); free disk space or "
-                                      f"choose another OUT") from e
-            if len(names) > 1:
-                weight_map = {t.name: name for name, shard in zip(names, shards) for job in shard for t in job.outputs}
-                weight_map.update(dict.fromkeys(kv_scales, names[-1]))
-                total = (sum(t.nbytes for job in jobs for t in job.outputs)
-                         + sum(t.nbytes for t in kv_scales.values()))
-                _write_json(partial / source.INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-            _write_json(partial / "config.json", config)
-            source.copy_extra_files(src_path, partial)
-    finally:
-        bar.close()
-        inputs.close()
+    abandoned, placed = [], []
+    with whole_once_written(out, placed):  # an interrupt once OUT is in place says so
+        try:
+            with atomic_directory(out, overwrite, abandoned, placed) as partial:
+                for name, shard in zip(names, shards):
+                    try:
+                        _write_shard(partial / name, shard, inputs, spec, dev, bar.update)
+                    except OSError as e:
+                        raise Fp8kitError(f"{out / name}: cannot write ({e.strerror}); free disk space or choose "
+                                          f"another OUT") from e
+                if kv_scales:  # measured after the weight shards were laid out, so not inside one
+                    try:
+                        save_small(kv_scales, partial / names[-1])
+                    except OSError as e:
+                        raise Fp8kitError(f"{out / names[-1]}: cannot write ({e.strerror or e}); free disk space or "
+                                          f"choose another OUT") from e
+                if len(names) > 1:
+                    weight_map = {t.name: name for name, shard in zip(names, shards) for job in shard
+                                  for t in job.outputs}
+                    weight_map.update(dict.fromkeys(kv_scales, names[-1]))
+                    total = (sum(t.nbytes for job in jobs for t in job.outputs)
+                             + sum(t.nbytes for t in kv_scales.values()))
+                    _write_json(partial / source.INDEX_NAME,
+                                {"metadata": {"total_size": total}, "weight_map": weight_map})
+                _write_json(partial / "config.json", config)
+                source.copy_extra_files(src_path, partial)
+        finally:
+            bar.close()
+            inputs.close()
 
-    files = source.folder_files(out)
-    warnings += abandoned_warnings(abandoned)
-    return ConvertReport(
-        src=str(src), out=str(out), scheme=scheme, format=format, device=str(dev),
-        quantized=sel.quantize, ignored=ignore_list(sel.keep, lm_head),  # by checkpoint name (the config adds loaded ones)
-        bytes_in=bytes_in, bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
-        peak_rss_bytes=peak_rss_bytes(),
-        peak_gpu_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
-        files=files, warnings=warnings, unmatched_ignore=sel.unmatched_ignore)
+        files = source.folder_files(out)
+        warnings += abandoned_warnings(abandoned)
+        return ConvertReport(
+            src=str(src), out=str(out), scheme=scheme, format=format, device=str(dev),
+            # ignored: by checkpoint name (the config adds loaded ones)
+            quantized=sel.quantize, ignored=ignore_list(sel.keep, lm_head), bytes_in=bytes_in,
+            bytes_out=sum((out / f).stat().st_size for f in files), seconds=time.perf_counter() - start,
+            peak_rss_bytes=peak_rss_bytes(),
+            peak_gpu_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+            files=files, warnings=warnings, unmatched_ignore=sel.unmatched_ignore)

@@ -8,6 +8,7 @@ rebuilt when its files no longer match the marker.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -195,14 +196,16 @@ def cached_conversion(name: str, scheme: str, fmt: str = "compressed-tensors") -
             return entry
         remove_unfinished(entry)  # left by a conversion killed outright: no other process holds this lock
         from fp8kit.converter import convert
-        from fp8kit.converter.output import InterruptedAfterWriting
+        from fp8kit.converter.output import InterruptedAfterWriting, interrupts_deferred
 
         started = time.perf_counter()
         try:
             report = convert(src, entry, scheme=scheme, format=fmt, overwrite=True)
-        except InterruptedAfterWriting:  # the entry is whole: recorded, so that the next ensure() uses it
-            _write_marker(entry, name, src, scheme, fmt, time.perf_counter() - started)
-            raise
+        except InterruptedAfterWriting as interrupted:  # the entry is whole: recorded, so the next ensure() uses it
+            # a second interrupt meanwhile (the marker is a stat of each file) neither stops it nor replaces this one
+            with contextlib.suppress(KeyboardInterrupt), interrupts_deferred():
+                _write_marker(entry, name, src, scheme, fmt, time.perf_counter() - started)
+            raise interrupted
         _write_marker(entry, name, src, scheme, fmt, report.seconds)
     finally:
         lock.release()
@@ -288,9 +291,12 @@ def entry_lock(out: str | Path, name: str) -> FileLock | None:
     if not any(path != folder and folder in path.parents for path, folder in ((spelled, root), (out, root.resolve()))):
         return None
     commit = (model_dir(name) / _source_commit(source.resolve(name))).expanduser().resolve()
-    # the entry's name: as spelled in its commit folder (the entry itself may link to another disk), or the name a
-    # link elsewhere resolves to there
-    entry = spelled.name if spelled.parent.resolve() == commit else out.name if out.parent == commit else None
+    # the entry's name, whose lock ensure() takes: as spelled in its commit folder (the entry itself may link to
+    # another disk), or the name OUT resolves to there (a link to it from elsewhere), an entry's name first (a link
+    # of another name beside the entry)
+    names = [n for n, here in ((spelled.name, spelled.parent.resolve() == commit), (out.name, out.parent == commit))
+             if here]
+    entry = next((n for n in names if _ENTRY.fullmatch(n)), names[0] if names else None)
     if entry is None:
         inside = spelled if root in spelled.parents else out
         raise Fp8kitError(f"{inside}: inside the fp8kit cache, but {name} is cached in {commit} (its source commit), "
@@ -473,8 +479,8 @@ def _refuse_busy(busy: list[Path], removed: list[Path]) -> None:
     """A folder left because a conversion holds its entry lock: one error line, after the others were removed."""
     if busy:
         done = f"; removed {len(removed)} other folder(s)" if removed else ""
-        raise Fp8kitError(f"{busy[0]}: a conversion is running there (it holds its entry's lock or its folder's, or its "
-                          f"folder has no lock file: one a killed run left where no lock can be had stays for you to "
+        raise Fp8kitError(f"{busy[0]}: a conversion is running there (it holds its entry's lock or its folder's, or "
+                          f"its folder was made where no lock can be had: one a killed run left so stays for you to "
                           f"delete); run the same `cache rm` again once it has finished{done}")
 
 
