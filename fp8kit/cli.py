@@ -151,7 +151,7 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
                 as_json):
     """Convert the safetensors checkpoint SRC (a directory or a Hub id org/name[@revision]) into FP8 at OUT."""
     # SIGTERM unwinds like Ctrl-C (set up by main(), see _Interruptible), so the temporary output is removed.
-    report = whole = None  # whole: OUT once it is in place, for the line an interrupt after that prints
+    report = whole = None  # whole: OUT in place once convert() said so, for the line an interrupt after that prints
     try:
         from fp8kit.converter import convert
         from fp8kit.registry.cache import entry_lock, record_conversion, remove_unfinished
@@ -185,7 +185,6 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
                 if recorded:
                     record_conversion(src, out, scheme, fmt, time.perf_counter() - started)
                 raise
-            whole = report.out
             if recorded:
                 record_conversion(src, out, scheme, fmt, report.seconds)
         finally:

@@ -293,6 +293,8 @@ def test_the_writer_s_lock_holds_until_its_folder_is_out(tmp_path, monkeypatch):
     aside.mkdir()
     making.mkdir()
     assert not output.writer_alive(aside) and output.writer_alive(making) and _unfinished_of(out) == [aside]
+    # one gone between the listing and the look: renamed to OUT by its writer, which may still be finishing
+    assert output.writer_alive(tmp_path / ".out.partial-gone")
     # a partial folder with no lock file that has not changed for a while: what a removal or a run cut short between
     # the folder's mkdir and its lock file, or between the lock file's removal and the rmdir, leaves
     (making / "model.safetensors").write_bytes(b"half")

@@ -625,6 +625,8 @@ def test_fp8_convert_into_an_entry_linked_elsewhere_is_recorded(tmp_path, llama_
         (entry.parent / "mine").symlink_to(entry.name)
         lock = entry_lock(entry.parent / "mine", str(src))
         assert lock is not None and Path(lock.lock_file).name == entry.name + ".lock"
+        # a folder of its own name there (no entry ensure() uses, but the commit's folder): its own lock
+        assert Path(entry_lock(entry.parent / "custom", str(src)).lock_file).name == "custom.lock"
     lock = entry_lock(entry, str(src))
     assert lock is not None and Path(lock.lock_file).name == entry.name + ".lock"
     result = CliRunner().invoke(fp8_convert, shlex.split(answer.convert_command)[1:])

@@ -190,23 +190,14 @@ def remove_abandoned(out: Path) -> list[tuple[Path, int]]:
     locked. A folder without one (an older fp8kit's, or one being made or renamed this instant) is left alone."""
     removed = []
     for folder in sorted(out.parent.glob(f".{glob.escape(out.name)}.partial-*")):
-        if folder.is_symlink() or not folder.is_dir():
+        if folder.is_symlink() or not folder.is_dir() or not (folder / WRITING).exists() or writer_alive(folder):
             continue
         try:
-            fd = os.open(folder / WRITING, os.O_RDWR)
-        except OSError:
-            continue
-        try:
-            # alive, or finished between the open and the lock (its WRITING unlinked, its folder renamed to OUT)
-            if not _try_lock(fd) or not (folder / WRITING).exists():
-                continue
             size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
             remove_partial(folder)
             removed.append((folder, size))
         except OSError:  # removed meanwhile by another run, or not ours to remove
             continue
-        finally:
-            os.close(fd)
     return removed
 
 

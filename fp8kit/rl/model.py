@@ -97,9 +97,9 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
     if with_vllm:
         _check_vllm_model(config, path, dtype, max_seq_length, vllm_kwargs)
     if with_vllm and static_activation_scales(path):
-        raise Fp8kitError(f"{path}: static activation scales ({WEIGHT_SCALES.get(scheme, scheme)} weights): vLLM's rollouts "
-                          f"would quantize with them while the trainer quantizes per token, so their log-probabilities "
-                          f"would disagree; for GRPO convert with --scheme tensor or dynamic")
+        raise Fp8kitError(f"{path}: static activation scales ({WEIGHT_SCALES[scheme]} weights): vLLM's rollouts would "
+                          f"quantize with them while the trainer quantizes per token, so their log-probabilities would "
+                          f"disagree; for GRPO convert with --scheme tensor or dynamic")
     tokenizer = tokenizer or _tokenizer(path)  # before any weight is read or vLLM starts
     lora = dict(lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules)
     if with_vllm:
