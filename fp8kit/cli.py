@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import time
 import warnings
@@ -14,26 +13,8 @@ import click
 
 # light: torch is imported later, inside the commands
 from fp8kit.converter.output import (InterruptedAfterWriting, interrupt_raised, interrupts_deferred,
-                                     sigterm_as_interrupt)
+                                     sigterm_as_interrupt, stdout_to_stderr)
 from fp8kit.errors import Fp8kitError
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr(active: bool):
-    """While converting, anything libraries print on stdout (llm-compressor logs there) goes to stderr,
-    so that --json leaves exactly one JSON document on stdout."""
-    if not active:
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _fail(message: str, code: int = 1):
@@ -175,7 +156,7 @@ def fp8_convert(src, out, scheme, fmt, calibration, ignore, lm_head, kv_cache, d
         started = time.perf_counter()
         try:
             try:
-                with warnings.catch_warnings(), _stdout_to_stderr(as_json):
+                with warnings.catch_warnings(), stdout_to_stderr() if as_json else contextlib.nullcontext():
                     warnings.simplefilter("ignore")
                     report = convert(src, out, scheme=scheme, format=fmt, ignore=list(ignore), device=device,
                                      max_shard_size=max_shard_size, overwrite=overwrite, progress=sys.stderr.isatty(),
@@ -403,7 +384,7 @@ def publish(src, base_model, schemes, fmt, kv_cache, calibration, lm_head, ignor
                 # the card's "How it was made" is built by publish() from the variant's own arguments: the host's
                 # command line would carry --dry-run, --staging, --plan and local paths. llm-compressor's log
                 # (tensor-static) goes to stderr, as fp8-convert's: stdout holds the report alone
-                with _stdout_to_stderr(True):
+                with stdout_to_stderr():
                     results += run(**job, private=private, create_pr=create_pr, dry_run=dry_run, staging=staging,
                                    force=force)
             except Fp8kitError as e:

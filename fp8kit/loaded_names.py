@@ -10,6 +10,8 @@ never a table of ours.
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -108,8 +110,12 @@ def load_model(src: Path, **kwargs) -> torch.nn.Module:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     try:
-        return _first_that_takes(config, lambda cls: cls.from_pretrained(src, config=config, use_safetensors=True,
-                                                                         **kwargs))
+        with _without_adapter(src) as base:
+            model = _first_that_takes(config, lambda cls: cls.from_pretrained(base, config=config,
+                                                                              use_safetensors=True, **kwargs))
+        # not the view, gone by now: llm-compressor's oneshot reads both again (its config, then the recipe beside it)
+        model.config.name_or_path = model.name_or_path = str(src)
+        return model
     except OSError as e:
         if "no file named" not in str(e):
             raise
@@ -120,6 +126,33 @@ def load_model(src: Path, **kwargs) -> torch.nn.Module:
         transformers.logging.set_verbosity(verbosity)
         if bars:
             transformers.logging.enable_progress_bar()
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@contextlib.contextmanager
+def _without_adapter(src: Path):
+    """`src`, or a view of it without its PEFT adapter. With peft installed, from_pretrained applies an adapter it
+    finds beside the weights (transformers' integrations/peft.py, maybe_load_adapters, keyed on adapter_config.json,
+    with no argument to turn it off), while fp8-convert converts the base weights alone: the KV-cache and static
+    activation scales were calibrated on base + adapter, and publish's KL measured the adapter against its absence."""
+    src = Path(src)
+    if not (src / ADAPTER_CONFIG).is_file():
+        yield src
+        return
+    from fp8kit.errors import Fp8kitError
+
+    with tempfile.TemporaryDirectory(prefix="fp8kit-base-") as view:
+        try:
+            for entry in src.absolute().iterdir():  # links only: the weights stay where they are
+                if entry.name != ADAPTER_CONFIG:
+                    (Path(view) / entry.name).symlink_to(entry)
+        except OSError as e:
+            raise Fp8kitError(f"{src}: holds a PEFT adapter ({ADAPTER_CONFIG}), which transformers would apply to the "
+                              f"weights it loads, and no folder of links without it could be made "
+                              f"({e.strerror or e}); move the adapter's files out of {src}") from e
+        yield Path(view)
 
 
 def loaded_names(src: Path, modules: list[str]) -> dict[str, str]:

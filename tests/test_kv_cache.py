@@ -344,3 +344,49 @@ def test_mistral3_calibrates_and_validates_through_its_own_class(tmp_path):
     with quiet(), torch.no_grad():
         static = load_causal_lm(tmp_path / "static")(input_ids=ids).logits
     assert logit_drift(source, static)["kl"] < 2e-2
+
+
+def test_a_peft_adapter_beside_the_weights_is_left_out_of_every_calibration(tmp_path, qwen3_src):
+    """With peft installed, transformers applies an adapter_config.json it finds beside the weights: the scales were
+    calibrated, and publish's KL measured, on base + adapter while the converter writes the base alone."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from fp8kit.hub.validate import validate
+
+    src, calibration = qwen3_src
+    with_adapter = tmp_path / "with_adapter"
+    shutil.copytree(src, with_adapter)
+    base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=64, target_modules=["k_proj", "v_proj"]))
+    with torch.no_grad():  # B starts at zero: an untrained adapter would change nothing
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    peft_model.save_pretrained(with_adapter)
+    assert (with_adapter / "adapter_config.json").is_file()
+    applied = AutoModelForCausalLM.from_pretrained(with_adapter, dtype=torch.float32)  # what transformers does
+    assert any("lora_B" in n for n, _ in applied.named_parameters())
+
+    scales = {}
+    for name, folder in (("plain", src), ("adapter", with_adapter)):
+        convert(folder, tmp_path / f"dyn-{name}", scheme="dynamic", kv_cache="fp8", calibration=calibration)
+        convert(folder, tmp_path / f"static-{name}", scheme="tensor-static", kv_cache="fp8", calibration=calibration)
+        scales[name] = {**{f"dyn.{k}": v for k, v in kv_scales(tmp_path / f"dyn-{name}").items()},
+                        **{k: v for k, v in load_file_scales(tmp_path / f"static-{name}").items()}}
+    assert sorted(scales["plain"]) == sorted(scales["adapter"]) and len(scales["plain"]) > 8
+    for key, value in scales["plain"].items():
+        assert torch.equal(value, scales["adapter"][key]), key
+    assert not (tmp_path / "dyn-adapter" / "adapter_config.json").exists()
+    kl = {name: validate(folder, tmp_path / f"dyn-{name}")["kl"] for name, folder in (("plain", src),
+                                                                                      ("adapter", with_adapter))}
+    assert kl["adapter"] == kl["plain"]
+
+
+def load_file_scales(directory):
+    """Every scale tensor llm-compressor wrote (weight, input and KV-cache scales)."""
+    scales = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(f, "pt") as sf:
+            scales.update({k: sf.get_tensor(k) for k in sf.keys() if k.endswith("_scale")})
+    return scales

@@ -76,6 +76,22 @@ def test_json_stdout_stays_clean(tmp_path):
     assert json.loads(proc.stdout)["scheme"] == "tensor-static"
 
 
+def test_a_script_printing_the_output_path_prints_it_alone(tmp_path):
+    """llm-compressor logs on stdout: the path a script prints (as `fp8kit resolve`'s ensure() command does) was
+    buried under its log lines, which now go to stderr."""
+    import subprocess
+    import sys
+
+    src = build_checkpoint(tmp_path / "src", "llama", torch.bfloat16, seed=1)
+    add_tokenizer(src, SAMPLE + " ".join(map(str, range(500))))
+    out = tmp_path / "out"
+    script = (f"from fp8kit import convert; print(convert({str(src)!r}, {str(out)!r}, scheme='tensor-static').out)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"{out}\n"
+    assert "Compression lifecycle" in proc.stderr  # llm-compressor's log, still shown
+
+
 def test_missing_tokenizer_is_one_line(tmp_path, llama_dir):
     out = tmp_path / "out"
     result = CliRunner().invoke(fp8_convert, [str(llama_dir), str(out), "--scheme", "tensor-static"])

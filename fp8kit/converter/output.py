@@ -22,6 +22,7 @@ import re
 import secrets
 import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -323,6 +324,33 @@ def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None, w
                 shutil.rmtree(old, ignore_errors=True)
         if not ok:
             _remove_empty(made)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """What libraries print on stdout goes to stderr meanwhile (llm-compressor logs there, through loguru), so that
+    stdout holds the caller's own output alone: fp8-convert --json's one document, the path a script prints."""
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no stdout to keep clean (a closed descriptor)
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+    except OSError:  # no stderr: stdout it stays
+        os.close(saved)
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            if sys.stdout is not None:
+                sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ import torch
 from fp8kit.converter import source
 from fp8kit.converter.calibration import KV_CACHE_DTYPES, kv_cache_scales, kv_cache_scheme
 from fp8kit.converter.formats import FORMATS, ignore_list, quantization_config, scale_name
-from fp8kit.converter.output import atomic_directory, check_out, whole_once_written
+from fp8kit.converter.output import atomic_directory, check_out, stdout_to_stderr, whole_once_written
 from fp8kit.converter.safetensors_io import (DTYPES, ITEMSIZE, OutTensor, TensorInfo, layout,
                                              read_bytes, save_small, to_tensor, write_all)
 from fp8kit.converter.schemes import SCHEMES, Scheme, amax, quantize_with_scale, scale_from_amax
@@ -424,8 +424,9 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, scheme: str = "dynam
     if scheme == "tensor-static":
         from fp8kit.converter.calibrated import convert_static
 
-        return convert_static(src, out, calibration, ignore, overwrite, kv_cache=kv_cache, device=device,
-                              max_shard_size=shard_bytes)
+        with stdout_to_stderr():
+            return convert_static(src, out, calibration, ignore, overwrite, kv_cache=kv_cache, device=device,
+                                  max_shard_size=shard_bytes)
     spec = SCHEMES[scheme]
     out = check_out(out, overwrite)
     src_path = source.resolve(src).resolve()

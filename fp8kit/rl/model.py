@@ -38,9 +38,11 @@ def load_model(name: str | Path, load_in_fp8: bool | str = True, dtype: torch.dt
                vllm_kwargs: dict | None = None, seed: int = DEFAULT_SEED):
     """Returns (model, tokenizer). `model.rollout_engine` samples for GRPO.
 
-    load_in_fp8: True for per-channel FP8 (row-wise, the fastest on SM89+), "block" for 128x128 blocks, False
-    for the full-precision baseline. The name goes through the registry: a pre-quantized upload, or our
-    conversion made once and cached; a local FP8 checkpoint is used as it is. With fast_inference and vLLM
+    load_in_fp8: True (or "dynamic") for the registry's dynamic answer, "block" for 128x128 blocks, False for the
+    full-precision baseline. The name goes through the registry: a pre-quantized upload that serves the request,
+    whatever its weight scales (Qwen's own FP8 uploads are 128x128 blocks, which vLLM serves with dynamic
+    activations), or else our per-channel conversion (row-wise, the fastest on SM89+), made once and cached; a local
+    FP8 checkpoint is used as it is. With fast_inference and vLLM
     installed on a CUDA machine, vLLM is started in this process and the model's weights are views of vLLM's
     (one copy on the GPU; vllm_kwargs reach vllm.LLM, e.g. kv_cache_memory_bytes); otherwise rollouts use
     transformers' generate on the model itself. `seed` draws the LoRA initialisation (default 3407, Unsloth's
