@@ -36,6 +36,9 @@ LLAMA_2X = dict(LLAMA_1B, num_hidden_layers=44)
 TOOLS = {
     "fp8kit dynamic": "from fp8kit.cli import fp8_convert; import sys; sys.argv[1:] = [SRC, OUT, '--scheme', 'dynamic']; fp8_convert()",
     "fp8kit block": "from fp8kit.cli import fp8_convert; import sys; sys.argv[1:] = [SRC, OUT, '--scheme', 'block']; fp8_convert()",
+    # what every fp8kit conversion does before writing: imports, headers, and the weights checked against the model
+    # transformers builds from config.json on the meta device (the transformers import is most of it)
+    "fp8kit checks only": "from pathlib import Path; from fp8kit.converter.streaming import read_source; read_source(Path(SRC))",
     "llmcompressor model_free_ptq dynamic": (
         "from llmcompressor.entrypoints.model_free import model_free_ptq; "
         "model_free_ptq(SRC, OUT, scheme='FP8_DYNAMIC', ignore=['lm_head'])"),
