@@ -477,6 +477,32 @@ def test_a_failed_final_rename_puts_the_replaced_out_back(tmp_path, monkeypatch)
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "old.txt").read_text() == "old"
 
 
+def test_a_replaced_out_that_cannot_be_put_back_is_named(tmp_path, monkeypatch):
+    """Where putting the old OUT back failed too, it stayed as .out.old-*, which the next run into OUT removes as a
+    killed run's leftover: the error names it, to be renamed back by hand."""
+    from fp8kit.converter import output
+    from fp8kit.errors import Fp8kitError
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    rename = Path.rename
+
+    def failing_rename(self, target):
+        if ".partial-" in self.name or ".old-" in self.name:
+            raise OSError(5, "Input/output error")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(Fp8kitError) as caught:
+        with output.atomic_directory(out, overwrite=True) as partial:
+            (partial / "new.txt").write_text("new")
+    (old,) = [p for p in tmp_path.iterdir()]
+    assert old.name.startswith(".out.old-") and (old / "old.txt").read_text() == "old"
+    assert str(caught.value) == (f"{out}: cannot write (Input/output error), and the replaced {out.name} could not "
+                                 f"be put back (Input/output error): it is {old}; rename it to {out}")
+
+
 def caught_signals(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("SigCgt:"):

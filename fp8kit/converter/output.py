@@ -253,6 +253,7 @@ def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None, w
     partial = old = None
     writing = []  # the fd of partial's WRITING file, locked while this process fills it
     ok = False
+    failure = stranded = None  # why the write failed; why the replaced OUT could not be put back
     raise_swallowed_interrupt()  # one that came while torch was imported
     try:
         try:
@@ -299,12 +300,13 @@ def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None, w
             if written is not None:
                 written.append(out)
     except OSError as e:
-        raise Fp8kitError(f"{out}: cannot write ({e.strerror or e}); free disk space or choose another OUT") from e
+        failure = e.strerror or e
+        raise Fp8kitError(f"{out}: cannot write ({failure}); free disk space or choose another OUT") from e
     except Exception as e:  # noqa: BLE001 - only a failed write is reworded; the rest goes up as it is
-        reason = safetensors_os_error(e)
-        if reason is None:
+        failure = safetensors_os_error(e)
+        if failure is None:
             raise
-        raise Fp8kitError(f"{out}: cannot write ({reason}); free disk space or choose another OUT") from e
+        raise Fp8kitError(f"{out}: cannot write ({failure}); free disk space or choose another OUT") from e
     finally:
         for fd in writing:  # unlocked first: a cleanup cut short leaves a folder the next run removes
             os.close(fd)
@@ -318,12 +320,18 @@ def _atomic_directory(out: Path, overwrite: bool, removed: list | None = None, w
                 with interrupts_deferred():
                     shutil.rmtree(old, ignore_errors=True)
             elif not out.exists():  # the new folder could not take OUT's place: the replaced one goes back
-                with contextlib.suppress(OSError):
+                try:
                     old.rename(out)
+                except OSError as e:
+                    stranded = e
             else:
                 shutil.rmtree(old, ignore_errors=True)
         if not ok:
             _remove_empty(made)
+        if stranded is not None:  # named: the next run into OUT would remove it as a killed run's .old-* folder
+            why = f"cannot write ({failure})" if failure is not None else "the new folder could not take its place"
+            raise Fp8kitError(f"{out}: {why}, and the replaced {out.name} could not be put back "
+                              f"({stranded.strerror or stranded}): it is {old}; rename it to {out}") from stranded
 
 
 @contextlib.contextmanager
