@@ -383,6 +383,26 @@ def test_a_peft_adapter_beside_the_weights_is_left_out_of_every_calibration(tmp_
     assert kl["adapter"] == kl["plain"]
 
 
+def test_an_adapter_folder_without_links_is_one_line(tmp_path, qwen3_src, monkeypatch):
+    """Where no folder of links can be made (a filesystem without symlinks), the adapter is named, not applied."""
+    from pathlib import Path
+
+    from fp8kit.loaded_names import load_model
+
+    src, _ = qwen3_src
+    folder = tmp_path / "with_adapter"
+    shutil.copytree(src, folder)
+    (folder / "adapter_config.json").write_text("{}")
+
+    def no_links(self, target):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(Path, "symlink_to", no_links)
+    with pytest.raises(Fp8kitError, match=r"with_adapter: holds a PEFT adapter \(adapter_config.json\), which "
+                                          r"transformers would apply .* \(Operation not permitted\); move"):
+        load_model(folder, dtype="auto")
+
+
 def load_file_scales(directory):
     """Every scale tensor llm-compressor wrote (weight, input and KV-cache scales)."""
     scales = {}

@@ -92,6 +92,18 @@ def test_a_script_printing_the_output_path_prints_it_alone(tmp_path):
     assert "Compression lifecycle" in proc.stderr  # llm-compressor's log, still shown
 
 
+def test_stdout_to_stderr_in_a_process_without_stdout():
+    """A service started with stdout closed: fp8kit.convert(tensor-static) now moves stdout to stderr in the
+    library, which must not fail a conversion there (os.dup raised EBADF)."""
+    import subprocess
+    import sys
+
+    script = ("import os; os.close(1); from fp8kit.converter.output import stdout_to_stderr\n"
+              "with stdout_to_stderr():\n    pass\nos.write(2, b'ok')")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == b"ok", proc.stderr
+
+
 def test_missing_tokenizer_is_one_line(tmp_path, llama_dir):
     out = tmp_path / "out"
     result = CliRunner().invoke(fp8_convert, [str(llama_dir), str(out), "--scheme", "tensor-static"])

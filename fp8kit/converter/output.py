@@ -347,11 +347,6 @@ def stdout_to_stderr():
         return
     try:
         os.dup2(2, 1)
-    except OSError:  # no stderr: stdout it stays
-        os.close(saved)
-        yield
-        return
-    try:
         yield
     finally:
         with contextlib.suppress(OSError, ValueError):
